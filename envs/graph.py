@@ -1,0 +1,432 @@
+"""OpGraph: a DAG of forward operators with their costs, stored as numpy arrays.
+
+Backward and optimizer work is derived from the forward nodes, not stored as nodes (the simulator
+does that). All batch-proportional quantities (FLOPs, output bytes, edge bytes, memory traffic,
+measured times) are at ``batch_size``, the batch the graph was traced at; a plan's microbatch size
+rescales them linearly. Parameter bytes do not scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+
+from envs.errors import GraphError
+
+FORMAT = "rlplace.opgraph"
+VERSION = 1
+
+# Layout capability bits per node (see envs/plan.py for what each layout means).
+CAN_BATCH = 1  # the op can run on a slice of the batch (almost every op)
+CAN_COL = 2  # tensor parallel: weights split by output features, or sharded elementwise / per-head op
+CAN_ROW = 4  # tensor parallel: weights split by input features, producing partial sums
+
+# Ops that hold weights and split like Megatron's linears (Shoeybi et al., 2019).
+WEIGHTED_SPLITTABLE = {"linear", "matmul", "addmm", "mm", "bmm", "embedding", "conv", "conv1d", "conv2d",
+                       "conv3d", "lstm", "gru", "expert"}
+# Weightless ops that work per feature / per head and so run on a feature-sharded tensor.
+SHARDABLE_ELEMENTWISE = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "add", "mul", "sub", "div",
+                         "attention", "sdpa", "softmax_heads", "rotary", "elementwise", "act", "glu",
+                         "batchnorm", "pool", "maxpool", "avgpool"}
+
+
+def default_layout_caps(kind: str, has_params: bool) -> int:
+    """Which layouts an op of this kind allows, when the tracer did not say."""
+    k = kind.lower()
+    caps = CAN_BATCH
+    if k in WEIGHTED_SPLITTABLE and has_params:
+        caps |= CAN_COL | CAN_ROW
+    elif k in SHARDABLE_ELEMENTWISE:
+        caps |= CAN_COL
+    return caps
+
+
+def _as_f64(values, n: int, what: str) -> np.ndarray:
+    arr = np.asarray(values if values is not None else np.zeros(n), dtype=np.float64).reshape(-1)
+    if arr.shape[0] != n:
+        raise GraphError(f"{what} has {arr.shape[0]} entries, expected {n}")
+    return arr
+
+
+@dataclass(eq=False)
+class OpGraph:
+    """Forward-operator DAG. Node ``i`` is described by the i-th entry of every per-node array."""
+
+    names: list[str]
+    kinds: list[str]
+    fwd_flops: np.ndarray
+    param_bytes: np.ndarray
+    out_bytes: np.ndarray
+    edge_src: np.ndarray
+    edge_dst: np.ndarray
+    edge_bytes: np.ndarray
+    bwd_flops: np.ndarray | None = None
+    mem_bytes: np.ndarray | None = None  # bytes an op reads+writes (roofline); derived if None
+    module_paths: list[str] | None = None
+    colocation: np.ndarray | None = None  # int class per node, -1 = none
+    layout_caps: np.ndarray | None = None  # CAN_* bits per node
+    n_ops: np.ndarray | None = None  # operators a (coarse) node stands for: launch overheads
+    measured: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # kind -> {"fwd","bwd"} s
+    edge_time: np.ndarray | None = None  # measured transfer time per edge (s), overrides bytes/bandwidth
+    batch_size: int = 1
+    dtype: str = "bf16"
+    name: str = "graph"
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        self.names = [str(x) for x in self.names]
+        self.kinds = [str(x) for x in self.kinds]
+        if len(self.kinds) != n:
+            raise GraphError(f"kinds has {len(self.kinds)} entries, expected {n}")
+        self.module_paths = [str(x) for x in (self.module_paths or [""] * n)]
+        if len(self.module_paths) != n:
+            raise GraphError(f"module_paths has {len(self.module_paths)} entries, expected {n}")
+        self.fwd_flops = _as_f64(self.fwd_flops, n, "fwd_flops")
+        self.param_bytes = _as_f64(self.param_bytes, n, "param_bytes")
+        self.out_bytes = _as_f64(self.out_bytes, n, "out_bytes")
+        if self.bwd_flops is None:
+            # Backward of an op with weights computes grads for inputs and weights: ~2x forward;
+            # otherwise only input grads: ~1x (Narayanan et al., SC'21, Sec. 5.1 "6x per param" rule).
+            self.bwd_flops = np.where(self.param_bytes > 0, 2.0, 1.0) * self.fwd_flops
+        self.bwd_flops = _as_f64(self.bwd_flops, n, "bwd_flops")
+        self.edge_src = np.asarray(self.edge_src, dtype=np.int64).reshape(-1)
+        self.edge_dst = np.asarray(self.edge_dst, dtype=np.int64).reshape(-1)
+        m = self.edge_src.shape[0]
+        if self.edge_dst.shape[0] != m:
+            raise GraphError("edge_src and edge_dst differ in length")
+        self.edge_bytes = _as_f64(self.edge_bytes, m, "edge_bytes")
+        if self.edge_time is not None:
+            self.edge_time = _as_f64(self.edge_time, m, "edge_time")
+        if self.colocation is None:
+            self.colocation = np.full(n, -1, dtype=np.int64)
+        self.colocation = np.asarray(self.colocation, dtype=np.int64).reshape(-1)
+        if self.n_ops is None:
+            self.n_ops = np.ones(n, dtype=np.int64)
+        self.n_ops = np.asarray(self.n_ops, dtype=np.int64).reshape(-1)
+        if self.layout_caps is None:
+            self.layout_caps = np.array(
+                [default_layout_caps(k, p > 0) for k, p in zip(self.kinds, self.param_bytes)], dtype=np.int64
+            )
+        self.layout_caps = np.asarray(self.layout_caps, dtype=np.int64).reshape(-1)
+        for name, arr in (("colocation", self.colocation), ("n_ops", self.n_ops), ("layout_caps", self.layout_caps)):
+            if arr.shape[0] != n:
+                raise GraphError(f"{name} has {arr.shape[0]} entries, expected {n}")
+        self.measured = {
+            str(k): {ph: _as_f64(v[ph], n, f"measured[{k}][{ph}]") for ph in ("fwd", "bwd")}
+            for k, v in (self.measured or {}).items()
+        }
+        if int(self.batch_size) < 1:
+            raise GraphError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.batch_size = int(self.batch_size)
+        self.validate()
+        if self.mem_bytes is None:
+            in_bytes = np.zeros(n)
+            np.add.at(in_bytes, self.edge_dst, self.edge_bytes)
+            self.mem_bytes = in_bytes + self.out_bytes + self.param_bytes
+        self.mem_bytes = _as_f64(self.mem_bytes, n, "mem_bytes")
+        self._topo: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        n = self.num_nodes
+        seen: dict[str, int] = {}
+        for i, nm in enumerate(self.names):
+            if nm in seen:
+                raise GraphError(f"duplicate node name {nm!r} (nodes {seen[nm]} and {i})")
+            seen[nm] = i
+        for what, arr in (("fwd_flops", self.fwd_flops), ("bwd_flops", self.bwd_flops),
+                          ("param_bytes", self.param_bytes), ("out_bytes", self.out_bytes)):
+            bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+            if bad.size:
+                i = int(bad[0])
+                raise GraphError(f"node {self.names[i]!r}: {what} is {arr[i]} (must be finite and >= 0)")
+        for kind, ph in self.measured.items():
+            for p, arr in ph.items():
+                bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+                if bad.size:
+                    i = int(bad[0])
+                    raise GraphError(f"node {self.names[i]!r}: measured {kind} {p} time is {arr[i]}")
+        for e in range(self.num_edges):
+            s, d = int(self.edge_src[e]), int(self.edge_dst[e])
+            if not (0 <= s < n) or not (0 <= d < n):
+                src = self.names[s] if 0 <= s < n else s
+                dst = self.names[d] if 0 <= d < n else d
+                raise GraphError(f"edge {e} ({src} -> {dst}) refers to a node that does not exist")
+            if s == d:
+                raise GraphError(f"edge {e} is a self-loop on node {self.names[s]!r}")
+        bad = np.flatnonzero(~np.isfinite(self.edge_bytes) | (self.edge_bytes < 0))
+        if bad.size:
+            e = int(bad[0])
+            raise GraphError(
+                f"edge {self.names[self.edge_src[e]]} -> {self.names[self.edge_dst[e]]}: bytes is {self.edge_bytes[e]}"
+            )
+        if self.edge_time is not None:
+            bad = np.flatnonzero(~np.isfinite(self.edge_time) | (self.edge_time < 0))
+            if bad.size:
+                e = int(bad[0])
+                raise GraphError(f"edge {self.names[self.edge_src[e]]} -> {self.names[self.edge_dst[e]]}: "
+                                 f"time is {self.edge_time[e]}")
+        order = self._kahn()
+        if order.shape[0] != n:
+            remaining = sorted(set(range(n)) - set(order.tolist()))
+            raise GraphError(f"graph is not a DAG: cycle through node {self.names[remaining[0]]!r}")
+        self._topo = order
+
+    def _kahn(self) -> np.ndarray:
+        n = self.num_nodes
+        indeg = np.bincount(self.edge_dst, minlength=n).astype(np.int64)
+        order_idx = np.argsort(self.edge_src, kind="stable")
+        starts = np.searchsorted(self.edge_src[order_idx], np.arange(n + 1))
+        dst_sorted = self.edge_dst[order_idx]
+        stack = list(np.flatnonzero(indeg == 0)[::-1])
+        out = []
+        while stack:
+            u = stack.pop()
+            out.append(u)
+            for v in dst_sorted[starts[u]:starts[u + 1]]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    stack.append(v)
+        # Prefer a stable order close to node ids: sort-by-id Kahn is achieved by the stack above
+        return np.asarray(out, dtype=np.int64)
+
+    # ------------------------------------------------------------------ basic queries
+    @property
+    def num_nodes(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_src.shape[0])
+
+    def topological_order(self) -> np.ndarray:
+        if self._topo is None:
+            self._topo = self._kahn()
+        return self._topo
+
+    def index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError as exc:
+            raise GraphError(f"no node named {name!r}") from exc
+
+    def predecessors(self, i: int) -> np.ndarray:
+        return self.edge_src[self.edge_dst == i]
+
+    def successors(self, i: int) -> np.ndarray:
+        return self.edge_dst[self.edge_src == i]
+
+    def depth(self) -> np.ndarray:
+        """Longest number of edges from any source to each node."""
+        d = np.zeros(self.num_nodes, dtype=np.int64)
+        pred = self._pred_lists()
+        for v in self.topological_order():
+            ps = pred[v]
+            if ps:
+                d[v] = 1 + max(d[p] for p in ps)
+        return d
+
+    def _pred_lists(self) -> list[list[int]]:
+        pred: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for s, t in zip(self.edge_src.tolist(), self.edge_dst.tolist()):
+            pred[t].append(s)
+        return pred
+
+    def critical_path(self, node_time: np.ndarray | None = None) -> tuple[float, list[int]]:
+        """Longest path by node weight (default: forward+backward FLOPs). Returns (length, nodes)."""
+        w = (self.fwd_flops + self.bwd_flops) if node_time is None else np.asarray(node_time, dtype=np.float64)
+        dist = np.zeros(self.num_nodes)
+        arg = np.full(self.num_nodes, -1, dtype=np.int64)
+        pred = self._pred_lists()
+        for v in self.topological_order():
+            best, who = 0.0, -1
+            for p in pred[v]:
+                if dist[p] > best:
+                    best, who = dist[p], p
+            dist[v] = best + w[v]
+            arg[v] = who
+        if self.num_nodes == 0:
+            return 0.0, []
+        end = int(np.argmax(dist))
+        path = [end]
+        while arg[path[-1]] >= 0:
+            path.append(int(arg[path[-1]]))
+        return float(dist[end]), path[::-1]
+
+    def total_params(self) -> float:
+        return float(self.param_bytes.sum())
+
+    def scaled(self, batch: float) -> float:
+        """Factor that turns a batch-proportional quantity at ``batch_size`` into one at ``batch``."""
+        return float(batch) / float(self.batch_size)
+
+    def summary(self) -> str:
+        return (f"{self.name}: {self.num_nodes} ops, {self.num_edges} edges, "
+                f"{self.fwd_flops.sum() / 1e9:.3g} GFLOP fwd, {self.param_bytes.sum() / 2**20:.4g} MiB params, "
+                f"batch {self.batch_size}")
+
+    # ------------------------------------------------------------------ conversion
+    def to_networkx(self) -> nx.DiGraph:
+        g = nx.DiGraph(name=self.name, batch_size=self.batch_size, dtype=self.dtype)
+        for i in range(self.num_nodes):
+            attrs = dict(kind=self.kinds[i], module=self.module_paths[i], fwd_flops=float(self.fwd_flops[i]),
+                         bwd_flops=float(self.bwd_flops[i]), param_bytes=float(self.param_bytes[i]),
+                         out_bytes=float(self.out_bytes[i]), mem_bytes=float(self.mem_bytes[i]),
+                         colocation=int(self.colocation[i]), layout_caps=int(self.layout_caps[i]),
+                         n_ops=int(self.n_ops[i]))
+            for kind, ph in self.measured.items():
+                attrs[f"time_fwd:{kind}"] = float(ph["fwd"][i])
+                attrs[f"time_bwd:{kind}"] = float(ph["bwd"][i])
+            g.add_node(self.names[i], **attrs)
+        for e in range(self.num_edges):
+            attrs = {"bytes": float(self.edge_bytes[e])}
+            if self.edge_time is not None:
+                attrs["time"] = float(self.edge_time[e])
+            s, d = self.names[self.edge_src[e]], self.names[self.edge_dst[e]]
+            if g.has_edge(s, d):
+                g[s][d]["bytes"] += attrs["bytes"]
+            else:
+                g.add_edge(s, d, **attrs)
+        return g
+
+    @classmethod
+    def from_networkx(cls, g: nx.DiGraph, *, name: str | None = None, batch_size: int | None = None) -> OpGraph:
+        names = list(g.nodes)
+        idx = {nm: i for i, nm in enumerate(names)}
+        data = [g.nodes[nm] for nm in names]
+
+        def col(key, default=0.0):
+            return [d.get(key, default) for d in data]
+
+        kinds_measured = sorted({k.split(":", 1)[1] for d in data for k in d if k.startswith("time_fwd:")})
+        measured = {k: {"fwd": col(f"time_fwd:{k}"), "bwd": col(f"time_bwd:{k}")} for k in kinds_measured}
+        edges = list(g.edges(data=True))
+        has_time = bool(edges) and all("time" in a for _, _, a in edges)
+        bwd = col("bwd_flops", None)
+        return cls(
+            names=[str(x) for x in names], kinds=col("kind", "op"), module_paths=col("module", ""),
+            fwd_flops=col("fwd_flops"), bwd_flops=None if any(b is None for b in bwd) else bwd,
+            param_bytes=col("param_bytes"), out_bytes=col("out_bytes"),
+            colocation=col("colocation", -1), n_ops=col("n_ops", 1),
+            layout_caps=None if any("layout_caps" not in d for d in data) else col("layout_caps"),
+            edge_src=[idx[s] for s, _, _ in edges], edge_dst=[idx[t] for _, t, _ in edges],
+            edge_bytes=[a.get("bytes", 0.0) for _, _, a in edges],
+            edge_time=[a["time"] for _, _, a in edges] if has_time else None,
+            measured=measured, batch_size=batch_size or g.graph.get("batch_size", 1),
+            dtype=g.graph.get("dtype", "bf16"), name=name or g.graph.get("name", "graph"),
+        )
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        nodes = []
+        for i in range(self.num_nodes):
+            d = {"name": self.names[i], "kind": self.kinds[i], "module": self.module_paths[i],
+                 "fwd_flops": float(self.fwd_flops[i]), "bwd_flops": float(self.bwd_flops[i]),
+                 "param_bytes": float(self.param_bytes[i]), "out_bytes": float(self.out_bytes[i]),
+                 "mem_bytes": float(self.mem_bytes[i]), "layout_caps": int(self.layout_caps[i])}
+            if self.colocation[i] >= 0:
+                d["colocation"] = int(self.colocation[i])
+            if self.n_ops[i] != 1:
+                d["n_ops"] = int(self.n_ops[i])
+            if self.measured:
+                d["measured"] = {k: [float(v["fwd"][i]), float(v["bwd"][i])] for k, v in self.measured.items()}
+            nodes.append(d)
+        edges = [[int(s), int(t), float(b)] for s, t, b in zip(self.edge_src, self.edge_dst, self.edge_bytes)]
+        if self.edge_time is not None:
+            for e, t in zip(edges, self.edge_time):
+                e.append(float(t))
+        return {"format": FORMAT, "version": VERSION, "name": self.name, "batch_size": self.batch_size,
+                "dtype": self.dtype, "meta": self.meta, "nodes": nodes, "edges": edges}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> OpGraph:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise GraphError(f"not an rlplace graph (expected format {FORMAT!r})")
+        if int(d.get("version", 0)) > VERSION:
+            raise GraphError(f"graph file version {d.get('version')} is newer than this rlplace ({VERSION})")
+        try:
+            nodes = d["nodes"]
+            edges = d.get("edges", [])
+            measured_kinds = sorted({k for nd in nodes for k in nd.get("measured", {})})
+            measured = {k: {"fwd": [nd["measured"][k][0] for nd in nodes],
+                             "bwd": [nd["measured"][k][1] for nd in nodes]} for k in measured_kinds}
+            has_time = bool(edges) and all(len(e) > 3 for e in edges)
+            return cls(
+                names=[nd["name"] for nd in nodes], kinds=[nd.get("kind", "op") for nd in nodes],
+                module_paths=[nd.get("module", "") for nd in nodes],
+                fwd_flops=[nd.get("fwd_flops", 0.0) for nd in nodes],
+                bwd_flops=[nd["bwd_flops"] for nd in nodes] if all("bwd_flops" in nd for nd in nodes) else None,
+                param_bytes=[nd.get("param_bytes", 0.0) for nd in nodes],
+                out_bytes=[nd.get("out_bytes", 0.0) for nd in nodes],
+                mem_bytes=[nd["mem_bytes"] for nd in nodes] if all("mem_bytes" in nd for nd in nodes) else None,
+                layout_caps=[nd["layout_caps"] for nd in nodes] if all("layout_caps" in nd for nd in nodes) else None,
+                colocation=[nd.get("colocation", -1) for nd in nodes], n_ops=[nd.get("n_ops", 1) for nd in nodes],
+                measured=measured,
+                edge_src=[e[0] for e in edges], edge_dst=[e[1] for e in edges], edge_bytes=[e[2] for e in edges],
+                edge_time=[e[3] for e in edges] if has_time else None,
+                batch_size=d.get("batch_size", 1), dtype=d.get("dtype", "bf16"), name=d.get("name", "graph"),
+                meta=d.get("meta", {}),
+            )
+        except (KeyError, IndexError, TypeError) as exc:
+            raise GraphError(f"malformed graph file: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> OpGraph:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError as exc:
+            raise GraphError(f"graph file not found: {path}") from exc
+        except json.JSONDecodeError as exc:
+            raise GraphError(f"graph file {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(d)
+
+    # ------------------------------------------------------------------ subgraphs
+    def with_measured(self, device_kind: str, fwd: Sequence[float], bwd: Sequence[float]) -> OpGraph:
+        """A copy with measured op times (seconds at ``batch_size``) for one device kind."""
+        d = self.to_dict()
+        g = OpGraph.from_dict(d)
+        g.measured[device_kind] = {"fwd": _as_f64(fwd, self.num_nodes, "fwd"),
+                                   "bwd": _as_f64(bwd, self.num_nodes, "bwd")}
+        g.validate()
+        return g
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    """Write JSON to a temp file beside ``path`` and rename, so nothing half-written is left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=None, separators=(",", ":"), allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def chain_graph(n: int, *, flops: float = 1e12, param_bytes: float = 0.0, act_bytes: float = 1e6,
+                kind: str = "linear", batch_size: int = 1, name: str = "chain") -> OpGraph:
+    """n ops in a line with equal costs: the closed-form tests' workhorse."""
+    return OpGraph(
+        names=[f"op{i}" for i in range(n)], kinds=[kind] * n, fwd_flops=np.full(n, flops),
+        param_bytes=np.full(n, param_bytes), out_bytes=np.full(n, act_bytes),
+        edge_src=np.arange(n - 1), edge_dst=np.arange(1, n), edge_bytes=np.full(n - 1, act_bytes),
+        batch_size=batch_size, name=name, module_paths=[f"layers.{i}" for i in range(n)],
+    )
+

@@ -1,0 +1,323 @@
+"""Plan: everything needed to run one training step of a graph on a topology.
+
+Per node: a device group and a layout.
+
+- ``single``: the whole op on one device.
+- ``batch_split``: data parallel; each of the n devices runs 1/n of the microbatch with a full copy of
+  the weights; weight gradients are all-reduced over the group.
+- ``col_split``: tensor parallel (Megatron column split). An op with weights splits its output
+  features (weights split by columns, input replicated, output sharded); a weightless op runs on a
+  feature-/head-sharded tensor (e.g. GeLU or attention between a column and a row split).
+- ``row_split``: tensor parallel (Megatron row split): weights split by input features, input
+  sharded, output a partial sum that the consumer reduces (all-reduce). Embeddings split by vocab.
+- ``replicate``: the same op computed redundantly on every tensor-parallel rank (Megatron's
+  LayerNorm, residual adds): input and output replicated.
+
+A group of size n may combine data and tensor parallelism: ``dp`` is the data-parallel degree and
+tp = n / dp the tensor-parallel degree; devices are ordered dp-major (``group[r * tp + t]``).
+Pipeline stages are the distinct device groups in the order the graph first uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from envs.errors import PlanError
+from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph, atomic_write_json
+from envs.topology import Topology
+
+FORMAT = "rlplace.plan"
+VERSION = 1
+LAYOUTS = ("single", "batch_split", "col_split", "row_split", "replicate")
+SCHEDULES = ("gpipe", "1f1b")
+# Mixed-precision Adam: fp16/bf16 weights (2) + grads (2) + fp32 master, momentum, variance (12)
+# = 16 bytes per parameter (Rajbhandari et al., ZeRO, SC'20, Sec. 3.1).
+ADAM_MIXED_BYTES_PER_PARAM = 16.0
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(eq=False)
+class Plan:
+    groups: list[tuple[int, ...]]
+    layouts: list[str]
+    dp: np.ndarray | None = None
+    recompute: np.ndarray | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    global_batch: int | None = None  # None: the graph's traced batch
+    dtype: str = "bf16"
+    state_bytes_per_param: float = ADAM_MIXED_BYTES_PER_PARAM
+    provenance: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.groups)
+        self.groups = [tuple(int(d) for d in g) for g in self.groups]
+        self.layouts = [str(x) for x in self.layouts]
+        if len(self.layouts) != n:
+            raise PlanError(f"plan has {n} groups but {len(self.layouts)} layouts")
+        if self.dp is None:
+            self.dp = np.array([len(g) if lay == "batch_split" else 1 for g, lay in zip(self.groups, self.layouts)],
+                               dtype=np.int64)
+        self.dp = np.asarray(self.dp, dtype=np.int64).reshape(-1)
+        if self.recompute is None:
+            self.recompute = np.zeros(n, dtype=bool)
+        self.recompute = np.asarray(self.recompute, dtype=bool).reshape(-1)
+        if self.dp.shape[0] != n or self.recompute.shape[0] != n:
+            raise PlanError("plan arrays (dp, recompute) do not match the number of nodes")
+        self.microbatches = int(self.microbatches)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.groups)
+
+    def batch(self, graph: OpGraph) -> int:
+        return int(self.global_batch if self.global_batch is not None else graph.batch_size)
+
+    def microbatch_size(self, graph: OpGraph) -> float:
+        return self.batch(graph) / self.microbatches
+
+    def tp(self, i: int) -> int:
+        return len(self.groups[i]) // int(self.dp[i])
+
+    def devices_used(self) -> list[int]:
+        return sorted({d for g in self.groups for d in g})
+
+    def stages(self, graph: OpGraph) -> tuple[np.ndarray, int]:
+        """Pipeline stage of each node: distinct device groups in order of first use in topological order."""
+        stage_of_group: dict[tuple[int, ...], int] = {}
+        stage = np.zeros(self.num_nodes, dtype=np.int64)
+        for v in graph.topological_order():
+            g = self.groups[v]
+            if g not in stage_of_group:
+                stage_of_group[g] = len(stage_of_group)
+            stage[v] = stage_of_group[g]
+        return stage, max(1, len(stage_of_group))
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, graph: OpGraph, topology: Topology) -> None:
+        if self.num_nodes != graph.num_nodes:
+            raise PlanError(f"plan has {self.num_nodes} nodes, graph {graph.name!r} has {graph.num_nodes}")
+        if self.microbatches < 1:
+            raise PlanError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        if not (np.isfinite(self.state_bytes_per_param) and self.state_bytes_per_param >= 0):
+            raise PlanError("state_bytes_per_param must be >= 0")
+        batch = self.batch(graph)
+        if batch < 1:
+            raise PlanError(f"global batch must be >= 1, got {batch}")
+        if batch % self.microbatches:
+            raise PlanError(f"global batch {batch} is not divisible by {self.microbatches} microbatches")
+        mb = batch // self.microbatches
+        nd = topology.num_devices
+        for i, (g, lay) in enumerate(zip(self.groups, self.layouts)):
+            who = f"node {graph.names[i]!r}"
+            if not g:
+                raise PlanError(f"{who}: empty device group")
+            if len(set(g)) != len(g):
+                raise PlanError(f"{who}: device group {g} repeats a device")
+            if min(g) < 0 or max(g) >= nd:
+                raise PlanError(f"{who}: device group {g} is outside the topology's {nd} devices")
+            if lay not in LAYOUTS:
+                raise PlanError(f"{who}: unknown layout {lay!r}; choose one of {', '.join(LAYOUTS)}")
+            dp = int(self.dp[i])
+            if dp < 1 or len(g) % dp:
+                raise PlanError(f"{who}: dp={dp} does not divide its group of {len(g)} devices")
+            caps = int(graph.layout_caps[i])
+            if lay == "single" and len(g) != 1:
+                raise PlanError(f"{who}: layout 'single' needs exactly one device, got {g}")
+            if lay == "batch_split" and dp != len(g):
+                raise PlanError(f"{who}: batch_split over {len(g)} devices needs dp={len(g)}, got {dp}")
+            if (dp > 1 or lay == "batch_split") and not caps & CAN_BATCH:
+                raise PlanError(f"{who} ({graph.kinds[i]}) cannot be split by batch")
+            if lay == "col_split" and not caps & CAN_COL:
+                raise PlanError(f"{who} ({graph.kinds[i]}) does not allow col_split")
+            if lay == "row_split" and not caps & CAN_ROW:
+                raise PlanError(f"{who} ({graph.kinds[i]}) does not allow row_split")
+            if mb % dp:
+                raise PlanError(f"{who}: microbatch of {mb} samples does not split over dp={dp}")
+        classes: dict[int, int] = {}
+        for i, c in enumerate(graph.colocation.tolist()):
+            if c < 0:
+                continue
+            j = classes.setdefault(c, i)
+            if self.groups[i] != self.groups[j] or self.layouts[i] != self.layouts[j]:
+                raise PlanError(f"co-location class {c} is split: {graph.names[j]!r} on {self.groups[j]} "
+                                f"but {graph.names[i]!r} on {self.groups[i]}")
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "microbatches": self.microbatches,
+                "schedule": self.schedule, "global_batch": self.global_batch, "dtype": self.dtype,
+                "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
+                "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc)}
+                          for g, lay, dp, rc in zip(self.groups, self.layouts, self.dp, self.recompute)]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise PlanError(f"not an rlplace plan (expected format {FORMAT!r})")
+        if int(d.get("version", 0)) > VERSION:
+            raise PlanError(f"plan file version {d.get('version')} is newer than this rlplace ({VERSION})")
+        try:
+            nodes = d["nodes"]
+            return cls(groups=[tuple(nd["devices"]) for nd in nodes], layouts=[nd["layout"] for nd in nodes],
+                       dp=[nd.get("dp", 1) for nd in nodes], recompute=[nd.get("recompute", False) for nd in nodes],
+                       microbatches=d.get("microbatches", 1), schedule=d.get("schedule", "1f1b"),
+                       global_batch=d.get("global_batch"), dtype=d.get("dtype", "bf16"),
+                       state_bytes_per_param=float(d.get("state_bytes_per_param", ADAM_MIXED_BYTES_PER_PARAM)),
+                       provenance=d.get("provenance", {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan file: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except FileNotFoundError as exc:
+            raise PlanError(f"plan file not found: {path}") from exc
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from exc
+
+    def key(self) -> bytes:
+        """A hashable identity of the plan's decisions (for evaluation caches)."""
+        return json.dumps([self.groups, self.layouts, self.dp.tolist(), self.recompute.tolist(), self.microbatches,
+                           self.schedule, self.global_batch, self.dtype, self.state_bytes_per_param]).encode()
+
+    def copy(self, **changes) -> Plan:
+        p = Plan(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
+                 recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
+                 global_batch=self.global_batch, dtype=self.dtype, state_bytes_per_param=self.state_bytes_per_param,
+                 provenance=dict(self.provenance))
+        for k, v in changes.items():
+            setattr(p, k, v)
+        p.__post_init__()
+        return p
+
+
+# ---------------------------------------------------------------------- builders
+def single_device(graph: OpGraph, topology: Topology, device: int | None = None, **kw) -> Plan:
+    d = topology.fastest_device(kw.get("dtype", "bf16")) if device is None else int(device)
+    n = graph.num_nodes
+    return Plan(groups=[(d,)] * n, layouts=["single"] * n, provenance={"placer": "single_device"}, **kw)
+
+
+def data_parallel(graph: OpGraph, topology: Topology, group: tuple[int, ...] | None = None, **kw) -> Plan:
+    g = tuple(range(topology.num_devices)) if group is None else tuple(group)
+    n = graph.num_nodes
+    layouts = ["batch_split" if (c & CAN_BATCH) else "single" for c in graph.layout_caps.tolist()]
+    groups = [g if lay == "batch_split" else (g[0],) for lay in layouts]
+    return Plan(groups=groups, layouts=layouts, provenance={"placer": "data_parallel"}, **kw)
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_ids(graph: OpGraph) -> np.ndarray:
+    """Repeated-layer index per node from its module path (``layers.3.mlp`` -> 3), -1 if none."""
+    out = np.full(graph.num_nodes, -1, dtype=np.int64)
+    for i, p in enumerate(graph.module_paths):
+        m = _LAYER_RE.search(p)
+        if m:
+            out[i] = int(m.group(1))
+    return out
+
+
+def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """Split the topological order into ``pp`` contiguous stages balanced by ``weights`` (default FLOPs),
+    cutting only where the layer index changes when the graph has layers."""
+    order = graph.topological_order()
+    w = (graph.fwd_flops + graph.bwd_flops) if weights is None else np.asarray(weights, dtype=np.float64)
+    w = w[order] + 1e-12
+    cum = np.cumsum(w)
+    total = cum[-1]
+    layers = layer_ids(graph)[order]
+    cand = [k for k in range(1, len(order)) if layers[k] != layers[k - 1]]
+    if len(cand) < pp - 1:
+        cand = list(range(1, len(order)))
+    cand_arr = np.array(cand)
+    cuts: list[int] = []
+    for s in range(1, pp):
+        target = total * s / pp
+        pos = cand_arr[np.argmin(np.abs(cum[cand_arr - 1] - target))]
+        lo = cuts[-1] + 1 if cuts else 1
+        pos = max(pos, lo)
+        cuts.append(int(min(pos, len(order) - (pp - s))))
+    stage_in_order = np.zeros(len(order), dtype=np.int64)
+    for c in cuts:
+        stage_in_order[c:] += 1
+    stage = np.zeros(graph.num_nodes, dtype=np.int64)
+    stage[order] = stage_in_order
+    return stage
+
+
+def megatron_layouts(graph: OpGraph) -> list[str]:
+    """Megatron tensor-parallel layouts: a weighted op fed by a sharded tensor is row-split, otherwise
+    column-split; weightless per-feature ops stay sharded between them; everything else replicated;
+    embeddings vocab-parallel (row). (Shoeybi et al., "Megatron-LM", 2019, Sec. 3.)"""
+    sharded = np.zeros(graph.num_nodes, dtype=bool)
+    pred = graph._pred_lists()
+    layouts = ["replicate"] * graph.num_nodes
+    for v in graph.topological_order():
+        caps = int(graph.layout_caps[v])
+        in_sharded = any(sharded[p] for p in pred[v])
+        weighted = graph.param_bytes[v] > 0
+        if graph.kinds[v] == "embedding" and caps & CAN_ROW:
+            layouts[v] = "row_split"
+        elif weighted and caps & CAN_ROW and in_sharded:
+            layouts[v] = "row_split"
+        elif weighted and caps & CAN_COL and not in_sharded:
+            layouts[v], sharded[v] = "col_split", True
+        elif not weighted and caps & CAN_COL and in_sharded:
+            layouts[v], sharded[v] = "col_split", True
+    return layouts
+
+
+def megatron(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
+             microbatch_size: int | None = None, global_batch: int | None = None, schedule: str = "1f1b",
+             recompute: str | bool = "none", dtype: str = "bf16") -> Plan:
+    """The standard 3-D (tensor x pipeline x data) configuration for a transformer graph."""
+    if min(tp, pp, dp) < 1:
+        raise PlanError("tp, pp and dp must be >= 1")
+    if tp * pp * dp > topology.num_devices:
+        raise PlanError(f"tp*pp*dp = {tp * pp * dp} exceeds the topology's {topology.num_devices} devices")
+    if pp > graph.num_nodes:
+        raise PlanError(f"pp={pp} exceeds the graph's {graph.num_nodes} nodes")
+    gb = int(global_batch if global_batch is not None else graph.batch_size)
+    mbs = int(microbatch_size if microbatch_size is not None else max(1, gb // max(dp, 1)))
+    if gb % (mbs * dp):
+        raise PlanError(f"global batch {gb} is not a multiple of microbatch size {mbs} x dp {dp}")
+    m = gb // mbs // dp
+    stage = contiguous_stages(graph, pp)
+    layouts = megatron_layouts(graph) if tp > 1 else ["replicate"] * graph.num_nodes
+    width = tp * dp
+    groups, dps, lays = [], [], []
+    for v in range(graph.num_nodes):
+        base = int(stage[v]) * width
+        g = tuple(range(base, base + width))
+        lay = layouts[v]
+        caps = int(graph.layout_caps[v])
+        if tp == 1:
+            lay = "batch_split" if dp > 1 and caps & CAN_BATCH else "single"
+            if lay == "single":
+                g = (base,)
+        elif dp > 1 and not caps & CAN_BATCH:
+            lay, g = "single", (base,)
+        groups.append(g)
+        lays.append(lay)
+        dps.append(len(g) // tp if lay in ("col_split", "row_split", "replicate") else len(g))
+    rc = recompute in (True, "full")
+    return Plan(groups=groups, layouts=lays, dp=dps, recompute=np.full(graph.num_nodes, rc),
+                microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype,
+                provenance={"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs})
