@@ -215,7 +215,6 @@ def single_device(graph: OpGraph, topology: Topology, device: int | None = None,
 
 def data_parallel(graph: OpGraph, topology: Topology, group: tuple[int, ...] | None = None, **kw) -> Plan:
     g = tuple(range(topology.num_devices)) if group is None else tuple(group)
-    n = graph.num_nodes
     layouts = ["batch_split" if (c & CAN_BATCH) else "single" for c in graph.layout_caps.tolist()]
     groups = [g if lay == "batch_split" else (g[0],) for lay in layouts]
     return Plan(groups=groups, layouts=layouts, provenance={"placer": "data_parallel"}, **kw)

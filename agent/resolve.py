@@ -1,0 +1,28 @@
+"""Turn user-facing names into objects: graph specs, topology names, plan files."""
+
+from __future__ import annotations
+
+import os
+
+from envs.errors import GraphError
+from envs.examples import EXAMPLES
+from envs.graph import OpGraph
+
+
+def resolve_graph(spec: str | OpGraph) -> OpGraph:
+    """A built-in example (``gpt-small``), a graph JSON file, or a model spec (``gpt:layers=4``,
+    ``file.py:build_fn``) traced by ``profilers``."""
+    if isinstance(spec, OpGraph):
+        return spec
+    spec = str(spec)
+    if spec in EXAMPLES:
+        return EXAMPLES[spec]()
+    if spec.endswith(".json"):
+        if not os.path.exists(spec):
+            raise GraphError(f"graph file not found: {spec}")
+        return OpGraph.load(spec)
+    try:
+        from profilers.spec import graph_from_spec
+    except ImportError as exc:  # pragma: no cover - profilers ship with rlplace
+        raise GraphError(f"unknown graph {spec!r}: not an example ({', '.join(EXAMPLES)}) nor a JSON file") from exc
+    return graph_from_spec(spec)

@@ -1,0 +1,208 @@
+"""Closed forms the simulator must reproduce, and properties on random cases."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from envs.examples import transformer_graph
+from envs.graph import OpGraph, chain_graph
+from envs.plan import Plan, data_parallel, megatron, single_device
+from envs.presets import preset
+from envs.simulator import simulate
+
+A100 = 312e12 * 0.7  # achievable bf16 FLOP/s of the preset
+LAUNCH = 5e-6
+
+
+@pytest.fixture(scope="module")
+def dgx():
+    return preset("dgx-a100-80g")
+
+
+def op_time(flops):
+    return flops / A100 + LAUNCH
+
+
+def test_single_device_is_sum_of_op_times_plus_optimizer(dgx):
+    g = chain_graph(6, flops=1e12, param_bytes=2e6, act_bytes=1.0)
+    r = simulate(g, dgx, single_device(g, dgx))
+    params = 6 * 2e6 / 2
+    opt = 2 * params * 16 / (2039e9 * 0.8) + LAUNCH
+    expect = 6 * op_time(1e12) + 6 * op_time(2e12) + opt
+    assert r.step_time == pytest.approx(expect, rel=1e-9)
+    assert r.comm_time.sum() == 0
+
+
+def test_two_device_chain_is_both_ops_plus_one_transfer(dgx):
+    g = chain_graph(2, flops=1e12, act_bytes=1e9)
+    plan = Plan(groups=[(0,), (1,)], layouts=["single", "single"])
+    xfer = dgx.p2p_time(0, 1, 1e9)
+    lat = simulate(g, dgx, plan, "latency")
+    assert lat.step_time == pytest.approx(2 * op_time(1e12) + xfer, rel=1e-9)
+    step = simulate(g, dgx, plan)
+    assert step.step_time == pytest.approx(2 * op_time(1e12) + 2 * op_time(1e12) + 2 * xfer, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16), (4, 1)])
+def test_pipeline_closed_form(dgx, schedule, p, m):
+    g = chain_graph(p, flops=4e12, act_bytes=1.0, batch_size=m)
+    plan = Plan(groups=[(i,) for i in range(p)], layouts=["single"] * p, microbatches=m, schedule=schedule,
+                global_batch=m)
+    r = simulate(g, dgx, plan)
+    tf = op_time(4e12 / m)
+    tb = tf  # param-free ops: backward = forward FLOPs
+    assert r.step_time == pytest.approx((m + p - 1) * (tf + tb), rel=0.01)
+
+
+def test_1f1b_stashes_fewer_activations_than_gpipe(dgx):
+    g = chain_graph(4, flops=1e12, act_bytes=1e9, batch_size=8)
+    mk = lambda s: Plan(groups=[(i,) for i in range(4)], layouts=["single"] * 4, microbatches=8, schedule=s,
+                        global_batch=8)
+    gp = simulate(g, dgx, mk("gpipe")).memory_breakdown["activations"][:4]
+    of = simulate(g, dgx, mk("1f1b")).memory_breakdown["activations"][:4]
+    np.testing.assert_allclose(gp, 8 * 1e9 / 8)
+    np.testing.assert_allclose(of, [4 * 1e9 / 8, 3 * 1e9 / 8, 2 * 1e9 / 8, 1 * 1e9 / 8])
+
+
+def _allreduces(report, grad):
+    return [(lab, report.task_finish[i] - report.task_start[i]) for i, lab in enumerate(report.task_label)
+            if lab.startswith("allreduce grad" if grad else "allreduce ") and (grad or "grad" not in lab)]
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_megatron_mlp_block_one_all_reduce_each_way(dgx, t):
+    # input -> fc1 (col) -> gelu (col) -> fc2 (row) -> residual add (replicated)
+    g = transformer_graph(layers=1, hidden=1024, seq=512, batch=4, embeddings=False)
+    keep = [i for i, nm in enumerate(g.names) if nm in ("layers.0.ln2", "layers.0.mlp.fc1", "layers.0.mlp.gelu",
+                                                         "layers.0.mlp.fc2", "layers.0.add2")]
+    sub = _subgraph(g, keep)
+    plan = megatron(sub, dgx, tp=t, global_batch=4, microbatch_size=4)
+    assert plan.layouts == ["replicate", "col_split", "col_split", "row_split", "replicate"]
+    r = simulate(sub, dgx, plan)
+    fwd, bwd = _allreduces(r, grad=False), _allreduces(r, grad=True)
+    assert len(fwd) == 1 and len(bwd) == 1
+    S = 4 * 512 * 1024 * 2
+    expect = dgx.collective_time("all_reduce", range(t), S)
+    assert fwd[0][1] == pytest.approx(expect) and bwd[0][1] == pytest.approx(expect)
+
+
+def test_megatron_transformer_layer_two_all_reduces_each_way(dgx):
+    g = transformer_graph(layers=2, hidden=512, seq=256, batch=2, embeddings=False)
+    r = simulate(g, dgx, megatron(g, dgx, tp=4, global_batch=2, microbatch_size=2))
+    assert len(_allreduces(r, grad=False)) == 4 and len(_allreduces(r, grad=True)) == 4
+
+
+def _subgraph(g: OpGraph, keep):
+    pos = {old: new for new, old in enumerate(keep)}
+    es = [e for e in range(g.num_edges) if g.edge_src[e] in pos and g.edge_dst[e] in pos]
+    return OpGraph(names=[g.names[i] for i in keep], kinds=[g.kinds[i] for i in keep],
+                   module_paths=[g.module_paths[i] for i in keep], fwd_flops=g.fwd_flops[keep],
+                   param_bytes=g.param_bytes[keep], out_bytes=g.out_bytes[keep],
+                   edge_src=[pos[g.edge_src[e]] for e in es], edge_dst=[pos[g.edge_dst[e]] for e in es],
+                   edge_bytes=g.edge_bytes[es], batch_size=g.batch_size)
+
+
+def test_data_parallel_scaling(dgx):
+    g = transformer_graph(layers=2, hidden=1024, seq=512, batch=16)
+    one = simulate(g, dgx, single_device(g, dgx))
+    dp = simulate(g, dgx, data_parallel(g, dgx))
+    m1, m8 = one.memory_breakdown, dp.memory_breakdown
+    np.testing.assert_allclose(m8["model_states"], m1["model_states"][0])  # full replica everywhere
+    assert m8["activations"][0] == pytest.approx(m1["activations"][0] / 8)
+    assert dp.compute_time[0] == pytest.approx((one.compute_time[0] - _opt(one)) / 8 + _opt(one), rel=0.1)
+    # between perfect overlap of the bucketed gradient all-reduce and none at all
+    ideal = (one.step_time - _opt(one)) / 8 + _opt(one)
+    ar = sum(f - s for s, f, lab in zip(dp.task_start, dp.task_finish, dp.task_label) if lab.startswith("grad allreduce"))
+    assert ar == pytest.approx(dgx.collective_time("all_reduce", range(8), g.param_bytes.sum()), rel=0.05)
+    assert ideal * (1 - 1e-9) <= dp.step_time <= ideal + ar + 1e-9
+    assert dp.comm_time[0] > 0
+
+
+def _opt(report):
+    return float(report.task_finish[-1] - report.task_start[-1])
+
+
+def test_memory_overflow_is_flagged(dgx):
+    g = chain_graph(2, flops=1e9, param_bytes=20e9, act_bytes=1.0)  # 10 G params x 16 B = 320 GB
+    r = simulate(g, dgx, single_device(g, dgx))
+    assert r.is_oom and r.oom == [0] and r.to_dict()["oom"] is True
+    r2 = simulate(g, dgx, Plan(groups=[(i,) for i in range(2)], layouts=["single"] * 2))
+    assert r2.oom == [0, 1]
+
+
+def test_recompute_trades_memory_for_time(dgx):
+    g = transformer_graph(layers=2, hidden=1024, seq=1024, batch=8)
+    base = simulate(g, dgx, megatron(g, dgx, global_batch=8, microbatch_size=8))
+    rc = simulate(g, dgx, megatron(g, dgx, global_batch=8, microbatch_size=8, recompute="full"))
+    assert rc.peak_memory[0] < base.peak_memory[0]
+    assert rc.step_time > base.step_time
+
+
+def test_throughput_is_busiest_device_per_microbatch(dgx):
+    g = chain_graph(4, flops=1e12, act_bytes=1.0, batch_size=4)
+    plan = Plan(groups=[(0,), (0,), (1,), (1,)], layouts=["single"] * 4, microbatches=4, global_batch=4)
+    r = simulate(g, dgx, plan, "throughput")
+    per_op = 2 * op_time(1e12 / 4)
+    x = dgx.p2p_time(0, 1, 1.0 / 4)
+    assert r.step_time == pytest.approx(2 * per_op + x, rel=1e-9)
+
+
+# ---------------------------------------------------------------------- properties
+TOPOS = {name: preset(name) for name in ("dgx-a100-80g", "dgx1-v100", "pcie-4gpu", "hetero")}
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(2, 14))
+    edges = sorted({(i, j) for i in range(n) for j in range(i + 1, n) if draw(st.booleans()) and j - i <= 3})
+    flops = draw(st.lists(st.floats(1e8, 1e12), min_size=n, max_size=n))
+    params = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
+    g = OpGraph(names=[f"n{i}" for i in range(n)], kinds=["linear" if p else "relu" for p in params],
+                fwd_flops=flops, param_bytes=params, out_bytes=[1e6] * n,
+                edge_src=[a for a, _ in edges], edge_dst=[b for _, b in edges], edge_bytes=[1e6] * len(edges),
+                batch_size=8)
+    topo = TOPOS[draw(st.sampled_from(sorted(TOPOS)))]
+    nd = topo.num_devices
+    groups, layouts = [], []
+    for v in range(n):
+        lay = draw(st.sampled_from(["single", "single", "batch_split", "col_split", "row_split"]))
+        caps = int(g.layout_caps[v])
+        if lay == "col_split" and not caps & 2 or lay == "row_split" and not caps & 4:
+            lay = "single"
+        if lay == "single":
+            groups.append((draw(st.integers(0, nd - 1)),))
+        else:
+            size = draw(st.sampled_from([2, 4]))
+            start = draw(st.integers(0, nd - size))
+            groups.append(tuple(range(start, start + size)))
+        layouts.append(lay)
+    m = draw(st.sampled_from([1, 2]))
+    plan = Plan(groups=groups, layouts=layouts, microbatches=m, schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+                global_batch=8)
+    return g, topo, plan
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_properties(case):
+    g, topo, plan = case
+    r = simulate(g, topo, plan)
+    # every task scheduled exactly once, none before time 0, none overlapping on a device's engine
+    assert r.num_tasks > 0 and (r.task_start >= 0).all() and (r.task_finish >= r.task_start).all()
+    rows = [x for x in r.timeline() if x["kind"] != "comm"]
+    for d in {x["device"] for x in rows}:
+        spans = sorted((x["start"], x["end"]) for x in rows if x["device"] == d)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+    # lower bounds: total work over aggregate throughput; critical path of unsplit ops on the fastest device
+    rates = np.array([d.flops(plan.dtype) for d in topo.devices])
+    work = (g.fwd_flops + g.bwd_flops).sum()
+    assert r.step_time >= work / rates.sum() * (1 - 1e-9)
+    if all(lay == "single" for lay in plan.layouts):
+        mb = plan.microbatch_size(g) / g.batch_size
+        cp, _ = g.critical_path((g.fwd_flops + g.bwd_flops) * mb / rates.max())
+        assert r.step_time >= cp * (1 - 1e-9)
+    # deterministic
+    again = simulate(g, topo, plan)
+    assert again.step_time == r.step_time and (again.peak_memory == r.peak_memory).all()
