@@ -16,6 +16,7 @@ from envs.errors import RlplaceError
 COMMAND_MODULES = [
     "agent.commands.simulate",
     "agent.commands.topology",
+    "agent.commands.import_cmd",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -15,3 +15,7 @@ class TopologyError(RlplaceError):
 
 class PlanError(RlplaceError):
     """A Plan does not fit its graph or topology."""
+
+
+class EnvError(RlplaceError):
+    """An environment cannot be built for its tasks (graph too large, too many devices, no plan fits)."""

@@ -63,10 +63,22 @@ def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pr
     return start, finish, done
 
 
-def to_csr(lists_src: np.ndarray, lists_dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """CSR (ptr, idx) of pairs (src -> dst) for src in range(n)."""
-    order = np.argsort(lists_src, kind="stable")
-    idx = lists_dst[order].astype(np.int64)
+@njit(cache=True)
+def _csr(src, dst, n):
     ptr = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(ptr, lists_src + 1, 1)
-    return np.cumsum(ptr), idx
+    for i in range(src.shape[0]):
+        ptr[src[i] + 1] += 1
+    for i in range(n):
+        ptr[i + 1] += ptr[i]
+    fill = ptr[:-1].copy()
+    idx = np.empty(src.shape[0], dtype=np.int64)
+    for i in range(src.shape[0]):  # counting sort: stable in the order the pairs were given
+        idx[fill[src[i]]] = dst[i]
+        fill[src[i]] += 1
+    return ptr, idx
+
+
+def to_csr(lists_src: np.ndarray, lists_dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR (ptr, idx) of pairs (src -> dst) for src in range(n), successors in the order given."""
+    return _csr(np.ascontiguousarray(lists_src, dtype=np.int64), np.ascontiguousarray(lists_dst, dtype=np.int64),
+                int(n))

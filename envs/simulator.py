@@ -58,6 +58,8 @@ class StepReport:
     task_label: list[str] | None = None
     device_names: list[str] = field(default_factory=list)
     num_tasks: int = 0
+    plan_arrays: object = None  # the plan in array form (envs.fast_sim.PlanArrays), for Simulator.delta
+    fast_path: str = ""  # which builder produced the report: "arrays", "stages" (envs.fast_sim), "reference"
 
     @property
     def is_oom(self) -> bool:
@@ -291,19 +293,28 @@ def _redistribution(gu, dpu, gv, dpv, req, nbytes):
 
 
 def simulate(graph: OpGraph, topology: Topology, plan: Plan, objective: str = "step_time", *,
-             timeline: bool = True, validate: bool = True) -> StepReport:
+             timeline: bool = True, validate: bool = True, fast_path: bool | None = None) -> StepReport:
     """Predict the step time and peak memory of ``plan`` for ``graph`` on ``topology``.
 
     objective: ``step_time`` (one training step), ``throughput`` (steady-state time per microbatch:
     the busiest device's per-microbatch load of compute plus communication; for the dnn-partitioning
-    workloads this is Tarnawski et al.'s max-load), ``latency`` (one sample, forward only)."""
+    workloads this is Tarnawski et al.'s max-load), ``latency`` (one sample, forward only).
+
+    The task graph is built by the compiled evaluator :class:`envs.fast_sim.Simulator` (cached per
+    graph and topology), which reproduces the reference builder ``_schedule_reference`` exactly.
+    ``fast_path``: the stage-level pipeline model (:func:`envs.fast_sim.stage_simulate`) for
+    stage-contiguous plans with identical microbatches; None uses it automatically when the full task
+    graph would exceed ``FAST_PATH_TASKS`` tasks and the plan qualifies, True forces it (raising
+    PlanError when the plan does not qualify), False never uses it."""
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if validate:
         plan.validate(graph, topology)
     if objective == "throughput":
         return _throughput(graph, topology, plan)
-    return _schedule(graph, topology, plan, objective, timeline)
+    from envs.fast_sim import simulate_fast
+
+    return simulate_fast(graph, topology, plan, objective, timeline=timeline, fast_path=fast_path)
 
 
 def _edge_transfer_time(graph: OpGraph, comm: _Comm, e: int, a: int, b: int, nbytes: float, scale: float) -> float:
@@ -313,7 +324,10 @@ def _edge_transfer_time(graph: OpGraph, comm: _Comm, e: int, a: int, b: int, nby
     return comm.p2p(a, b, nbytes)
 
 
-def _schedule(graph: OpGraph, topology: Topology, plan: Plan, objective: str, want_timeline: bool) -> StepReport:
+def _schedule_reference(graph: OpGraph, topology: Topology, plan: Plan, objective: str,
+                        want_timeline: bool) -> StepReport:
+    """The reference task-graph builder (plain Python, one task at a time): the specification that
+    envs.fast_sim.Simulator reproduces exactly; kept for tests and debugging."""
     nd = topology.num_devices
     n = graph.num_nodes
     latency = objective == "latency"
@@ -531,7 +545,7 @@ def _schedule(graph: OpGraph, topology: Topology, plan: Plan, objective: str, wa
         task_finish=finish if want_timeline else None, task_device_ptr=dev_ptr if want_timeline else None,
         task_devices=dev_idx if want_timeline else None, task_kind=kinds if want_timeline else None,
         task_label=T.label if want_timeline else None, device_names=[d.name for d in topology.devices],
-        num_tasks=nt,
+        num_tasks=nt, fast_path="reference",
     )
 
 
