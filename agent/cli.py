@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "agent.commands.simulate",
     "agent.commands.topology",
     "agent.commands.import_cmd",
+    "agent.commands.profile",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -154,7 +154,14 @@ def cpu_local(devices: int = 2) -> Topology:
     if path.exists():
         topo = Topology.load(path)
         topo.meta["calibrated"] = True
-        return topo
+        if devices == topo.num_devices:
+            return topo
+        # same measured device and link, another count of devices
+        dev0, link0 = topo.devices[0], topo.links[0]
+        devs = [Device(**{**dev0.__dict__, "name": f"cpu{i}"}) for i in range(devices)]
+        links = [Link(d.name, "shm", kind=link0.kind, bandwidth=link0.bandwidth, latency=link0.latency,
+                      efficiency=link0.efficiency) for d in devs]
+        return Topology(devs, links, ["shm"], name="cpu-local", meta=dict(topo.meta))
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):

@@ -1,0 +1,179 @@
+"""profilers.trace: torch.export on the meta device -> OpGraph."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from envs.errors import RlplaceError
+from envs.graph import CAN_COL, CAN_ROW
+from profilers.trace import TraceError, trace
+from profilers.zoo import gnmt, gpt, inception, mlp, resnet
+
+warnings.filterwarnings("ignore")
+NO_WORK = {"view", "reshape", "transpose", "t", "permute", "getitem", "expand", "unsqueeze", "split",
+           "unbind", "detach", "clone", "alias", "contiguous", "slice", "select"}
+
+
+def _meta_total_flops(model: nn.Module, inputs: tuple, dtype=torch.bfloat16) -> int:
+    with torch.device("meta"):
+        m = model.to("meta", dtype)
+    args = tuple(x.to("meta", dtype) if x.is_floating_point() else x.to("meta") for x in inputs)
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        m(*args)
+    return fc.get_total_flops()
+
+
+def _param_bytes(model: nn.Module, dbytes: int = 2) -> float:
+    tot = sum(p.numel() * dbytes for p in model.parameters())
+    tot += sum(b.numel() * (dbytes if b.is_floating_point() else b.element_size()) for b in model.buffers())
+    return float(tot)
+
+
+def test_mlp_nodes_bytes_and_edges():
+    model, inputs = mlp(layers=3, hidden=256, in_dim=784, out=10, batch=32)
+    g = trace(model, inputs, batch_size=32)
+    assert g.num_nodes == 8 and g.num_edges == 7  # input, 4 linear, 3 relu
+    assert g.kinds.count("linear") == 4 and g.kinds.count("relu") == 3 and g.kinds[0] == "input"
+    assert g.names[:3] == ["input.x", "layers.0.fc", "layers.0.act"]
+    assert g.batch_size == 32 and g.dtype == "bf16"
+    assert g.out_bytes[0] == 32 * 784 * 2  # float input cast to bf16
+    assert g.out_bytes[g.index("layers.0.fc")] == 32 * 256 * 2
+    assert g.out_bytes[g.index("head")] == 32 * 10 * 2
+    assert g.fwd_flops[g.index("layers.0.fc")] == 2 * 32 * 784 * 256
+    assert g.fwd_flops[0] == 0
+    np.testing.assert_array_equal(g.edge_bytes, g.out_bytes[g.edge_src])  # chain: whole tensor moves
+    # bwd default: 2x for ops with weights, 1x otherwise
+    i = g.index("layers.1.act")
+    assert g.bwd_flops[i] == g.fwd_flops[i] and g.bwd_flops[1] == 2 * g.fwd_flops[1]
+    li = g.index("layers.1.fc")
+    in_b = g.edge_bytes[g.edge_dst == li].sum()
+    assert g.mem_bytes[li] == in_b + g.out_bytes[li] + g.param_bytes[li]
+    assert g.layout_caps[li] & CAN_COL and g.layout_caps[li] & CAN_ROW
+
+
+@pytest.mark.parametrize("build", [lambda: mlp(), lambda: resnet(depth=10, width=8, img=32, batch=2),
+                                   lambda: gpt(), lambda: gnmt(layers=2, hidden=32, seq=6)])
+def test_flops_sum_matches_model_flop_counter(build):
+    model, inputs = build()
+    g = trace(model, inputs, batch_size=inputs[0].shape[0])
+    total = _meta_total_flops(*build())
+    assert g.meta["counted_flops"] == pytest.approx(total, rel=1e-9)
+    assert g.fwd_flops.sum() == pytest.approx(g.meta["counted_flops"] + g.meta["estimated_flops"])
+    # uncounted ops get a size-based cost, not zero
+    work = [i for i, k in enumerate(g.kinds) if k != "input"]
+    assert (g.fwd_flops[work] > 0).all()
+
+
+@pytest.mark.parametrize("build", [lambda: mlp(), lambda: gpt(), lambda: gnmt(layers=2, hidden=32, seq=6),
+                                   lambda: resnet(depth=10, width=8, img=32, batch=2)])
+def test_every_parameter_counted_once(build):
+    model, inputs = build()
+    g = trace(model, inputs, batch_size=2)
+    assert g.param_bytes.sum() + g.meta["unused_param_bytes"] == _param_bytes(model)
+    assert g.meta["unused_param_bytes"] <= 8 * 64  # at most BatchNorm's int64 step counters
+
+
+def test_param_bytes_follow_dtype():
+    model, inputs = mlp(layers=2, hidden=32, in_dim=16)
+    g32 = trace(model, inputs, batch_size=32, dtype="fp32")
+    g16 = trace(model, inputs, batch_size=32, dtype="fp16")
+    assert g32.param_bytes.sum() == _param_bytes(model, 4) == 2 * g16.param_bytes.sum()
+    assert g32.out_bytes[1] == 2 * g16.out_bytes[1] and g16.dtype == "fp16"
+
+
+def test_transformer_names_and_kinds():
+    model, inputs = gpt(layers=2, hidden=64, heads=4, seq=16, vocab=128, batch=2)
+    g = trace(model, inputs, batch_size=2, name="tiny-gpt")
+    for name in ("wte", "wpe", "layers.0.ln1", "layers.0.attn.qkv", "layers.0.attn.sdpa", "layers.0.attn.out",
+                 "layers.1.mlp.fc1", "layers.1.mlp.gelu", "layers.1.mlp.fc2", "ln_f", "lm_head"):
+        assert name in g.names, name
+    assert g.module_paths[g.index("layers.1.mlp.fc1")] == "layers.1.mlp.fc1"
+    assert g.kinds[g.index("layers.0.attn.sdpa")] == "sdpa"
+    assert g.kinds[g.index("layers.0.ln1")] == "layernorm"
+    assert not NO_WORK & set(g.kinds)
+    # qkv -> sdpa carries all of q, k and v (3 slices of one tensor)
+    qkv, sdpa = g.index("layers.0.attn.qkv"), g.index("layers.0.attn.sdpa")
+    e = np.flatnonzero((g.edge_src == qkv) & (g.edge_dst == sdpa))
+    assert e.size == 1 and g.edge_bytes[e[0]] == g.out_bytes[qkv] == 2 * 16 * 3 * 64 * 2
+    assert g.name == "tiny-gpt"
+
+
+def test_lstm_and_multibranch():
+    model, inputs = gnmt(layers=3, hidden=32, vocab=50, seq=5, batch=2)
+    g = trace(model, inputs, batch_size=2)
+    lstm = [i for i, k in enumerate(g.kinds) if k == "lstm"]
+    assert len(lstm) == 6 and all(g.param_bytes[i] > 0 for i in lstm)
+    assert g.names.count("input.src") == 1 and "input.tgt" in g.names
+    model, inputs = inception(blocks=2, width=8, img=32, batch=2)
+    g = trace(model, inputs, batch_size=2)
+    cats = [i for i, k in enumerate(g.kinds) if k == "cat"]
+    assert len(cats) == 2 and all((g.edge_dst == i).sum() == 4 for i in cats)
+
+
+def test_real_model_left_untouched_and_no_allocation():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    w = model[0].weight.detach().clone()
+    g = trace(model, (torch.randn(3, 16),), batch_size=3)
+    assert g.num_nodes == 4
+    assert model[0].weight.device.type == "cpu" and torch.equal(model[0].weight, w)
+    assert model[0].weight.dtype == torch.float32
+
+
+def test_sdpa_model_with_kwargs_inputs():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 96)
+
+        def forward(self, x, *, scale: torch.Tensor):
+            q, k, v = self.proj(x).view(2, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v) * scale
+
+    g = trace(Attn(), {"x": torch.randn(2, 8, 32), "scale": torch.ones(1)}, batch_size=2)
+    assert "sdpa" in g.kinds and {"input.x", "input.scale"} <= set(g.names)
+
+
+def test_data_dependent_control_flow_raises_trace_error():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.fc(x)
+            if y.sum() > 0:
+                return y * 2
+            return y
+
+    with pytest.raises(TraceError) as exc:
+        trace(Branchy(), (torch.randn(2, 8),), batch_size=2)
+    msg = str(exc.value)
+    assert "torch.cond" in msg and "Branchy" in msg and "y.sum() > 0" in msg
+    assert isinstance(exc.value, RlplaceError)
+
+
+def test_bad_arguments():
+    model, inputs = mlp()
+    with pytest.raises(TraceError, match="dtype"):
+        trace(model, inputs, batch_size=2, dtype="int3")
+    with pytest.raises(TraceError, match="batch_size"):
+        trace(model, inputs, batch_size=0)
+    with pytest.raises(TraceError, match="nn.Module"):
+        trace(lambda x: x, inputs, batch_size=2)
+
+
+def test_json_roundtrip(tmp_path):
+    model, inputs = gpt()
+    g = trace(model, inputs, batch_size=2)
+    g.save(tmp_path / "g.json")
+    from envs.graph import OpGraph
+
+    h = OpGraph.load(tmp_path / "g.json")
+    assert h.names == g.names and np.allclose(h.fwd_flops, g.fwd_flops)
