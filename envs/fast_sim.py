@@ -25,7 +25,7 @@ import numpy as np
 
 from envs.graph import OpGraph
 from envs.plan import DTYPE_BYTES, Plan
-from envs.schedule_core import list_schedule, njit, to_csr
+from envs.schedule_core import csr_and_indegree, list_schedule, njit
 from envs.topology import Topology
 
 FULL, FSHARD, PARTIAL = 0, 1, 2
@@ -234,23 +234,156 @@ def _buckets(order, has_grad, bkey, gbytes, cap):
     return out, nb, bk[:nb], bsize[:nb]
 
 
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+@njit(cache=True)
+def _group_edges(u, v, gid, dp, lay, has_params, is_emb, byte_rank, byte_vals, scale, et, use_et, latency, G, D):
+    """Edges grouped by (producer, consumer group, consumer dp, requirement, column-weighted) in order
+    of first edge: producer, first edge, consumers (CSR, edge order), largest tensor of each group,
+    and each group's signature row (what its communication template depends on) with a 64-bit hash."""
+    E = u.shape[0]
+    req = np.empty(E, dtype=np.int64)
+    colw = np.empty(E, dtype=np.int64)
+    code = np.empty(E, dtype=np.int64)
+    for e in range(E):
+        w = v[e]
+        ly = lay[w]
+        r = FULL
+        c = 0
+        if ly == L_COL:
+            r = FULL if has_params[w] else FSHARD
+            c = 1 if has_params[w] else 0
+        elif ly == L_ROW:
+            r = FULL if is_emb[w] else FSHARD
+        req[e] = r
+        colw[e] = c
+        code[e] = (((u[e] * G + gid[w]) * D + dp[w]) * 3 + r) * 2 + c
+    order = np.argsort(code, kind="mergesort")
+    grp = np.empty(E, dtype=np.int64)
+    firsts = np.empty(E, dtype=np.int64)
+    K = 0
+    i = 0
+    while i < E:
+        c0 = code[order[i]]
+        firsts[K] = order[i]  # stable sort: the smallest edge id of the group
+        j = i
+        while j < E and code[order[j]] == c0:
+            grp[order[j]] = K
+            j += 1
+        K += 1
+        i = j
+    fo = np.argsort(firsts[:K], kind="mergesort")
+    rank = np.empty(K, dtype=np.int64)
+    for q in range(K):
+        rank[fo[q]] = q
+    cons_ptr = np.zeros(K + 1, dtype=np.int64)
+    for e in range(E):
+        cons_ptr[rank[grp[e]] + 1] += 1
+    for q in range(K):
+        cons_ptr[q + 1] += cons_ptr[q]
+    fill = cons_ptr[:-1].copy()
+    cons_idx = np.empty(E, dtype=np.int64)
+    bmax = np.full(K, -1, dtype=np.int64)
+    for e in range(E):
+        q = rank[grp[e]]
+        cons_idx[fill[q]] = v[e]
+        fill[q] += 1
+        if byte_rank[e] > bmax[q]:
+            bmax[q] = byte_rank[e]
+    e0 = np.empty(K, dtype=np.int64)
+    ku = np.empty(K, dtype=np.int64)
+    S = np.empty(K)
+    for q in range(K):
+        e0[q] = firsts[fo[q]]
+        ku[q] = u[e0[q]]
+        S[q] = byte_vals[bmax[q]] * scale
+    C = 11 if use_et else 9
+    rows = np.empty((K, C), dtype=np.int64)
+    sbits = S.view(np.int64)
+    scale_arr = np.full(1, scale)
+    scale_bits = scale_arr.view(np.int64)[0]
+    et0 = np.empty(K)
+    for q in range(K):
+        et0[q] = et[e0[q]] if use_et else 0.0
+    ebits = et0.view(np.int64)
+    h = np.empty(K, dtype=np.uint64)
+    mix = np.uint64(0x9E3779B97F4A7C15)
+    for q in range(K):
+        a = ku[q]
+        la = lay[a]
+        have = FSHARD if la == L_COL else (PARTIAL if la == L_ROW else FULL)
+        w = v[e0[q]]
+        rows[q, 0] = gid[a]
+        rows[q, 1] = dp[a]
+        rows[q, 2] = have
+        rows[q, 3] = gid[w]
+        rows[q, 4] = dp[w]
+        rows[q, 5] = req[e0[q]]
+        rows[q, 6] = colw[e0[q]]
+        rows[q, 7] = sbits[q]
+        j = 8
+        if use_et:
+            rows[q, 8] = ebits[q]
+            rows[q, 9] = scale_bits
+            j = 10
+        rows[q, j] = 1 if latency else 0
+        x = np.uint64(0)
+        for c in range(C):
+            x = (x ^ np.uint64(rows[q, c])) * mix
+            x = x ^ (x >> np.uint64(29))
+        h[q] = x
+    # distinct signatures by hash (checking the rows: a collision sets ``clash``)
+    ho = np.argsort(h, kind="mergesort")
+    first = np.empty(K, dtype=np.int64)
+    inv = np.empty(K, dtype=np.int64)
+    U = 0
+    clash = False
+    i = 0
+    while i < K:
+        a = ho[i]
+        first[U] = a
+        j = i
+        while j < K and h[ho[j]] == h[a]:
+            b = ho[j]
+            inv[b] = U
+            for c in range(C):
+                if rows[b, c] != rows[a, c]:
+                    clash = True
+            j += 1
+        U += 1
+        i = j
+    return ku, e0, S, cons_ptr, cons_idx, rows, h, first[:U], inv, clash
 
 
-def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of an int64 matrix and the inverse index (via a 64-bit hash of each row, checked
-    for collisions; np.unique(axis=0) is several times slower)."""
-    h = np.zeros(rows.shape[0], dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(rows.shape[1]):
-            h = (h ^ rows[:, j].view(np.uint64)) * _MIX
-            h ^= h >> np.uint64(29)
-    _, first, inv = np.unique(h, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
-    if not np.array_equal(rows[first][inv], rows):  # pragma: no cover - a hash collision
-        srow, inv = np.unique(rows, axis=0, return_inverse=True)
-        return srow, inv.reshape(-1)
-    return rows[first], inv
+@njit(cache=True)
+def _stage_of(gid, topo, G):
+    """Plan.stages: distinct groups numbered in order of first use in topological order."""
+    lut = np.full(G, -1, dtype=np.int64)
+    p = 0
+    for i in range(topo.shape[0]):
+        g = gid[topo[i]]
+        if lut[g] < 0:
+            lut[g] = p
+            p += 1
+    out = np.empty(gid.shape[0], dtype=np.int64)
+    for v in range(gid.shape[0]):
+        out[v] = lut[gid[v]]
+    return out, p
+
+
+@njit(cache=True)
+def _expand(gid, g_ptr, g_dev):
+    """(node, device) pairs of every node's group, node-major: the owners and the devices."""
+    tot = 0
+    for v in range(gid.shape[0]):
+        tot += g_ptr[gid[v] + 1] - g_ptr[gid[v]]
+    owner = np.empty(tot, dtype=np.int64)
+    devs = np.empty(tot, dtype=np.int64)
+    k = 0
+    for v in range(gid.shape[0]):
+        for x in range(g_ptr[gid[v]], g_ptr[gid[v] + 1]):
+            owner[k] = v
+            devs[k] = g_dev[x]
+            k += 1
+    return owner, devs
 
 
 # ---------------------------------------------------------------------- lazy labels
@@ -315,6 +448,7 @@ class Simulator:
         self.byte_vals, self.byte_rank = np.unique(graph.edge_bytes, return_inverse=True)
         self.byte_rank = self.byte_rank.astype(np.int64)
         self.act = np.maximum(graph.mem_bytes - graph.param_bytes, 0.0)
+        self._et = np.zeros(1) if graph.edge_time is None else np.ascontiguousarray(graph.edge_time, dtype=np.float64)
         self.pbytes = DTYPE_BYTES.get(graph.dtype, 2)
         self.param_mem = graph.meta.get("memory_model") == "param_bytes"
         # device groups (interned across plans) as CSR of sorted devices
@@ -326,13 +460,20 @@ class Simulator:
         self._specs: dict[str, tuple] = {}
         # communication templates (signature -> id) and their CSR arrays
         self._sig: dict[bytes, int] = {}
+        self._sig_h: dict[int, int] = {}  # row hash -> template id (checked against _sig_rows)
+        self._sig_rows: np.ndarray | None = None
+        self._hk: np.ndarray | None = None  # sorted known hashes and their template ids
+        self._hv: np.ndarray | None = None
         self._tpl: list[dict] = []
         self._tpl_arrays = None
         from envs.simulator import _Comm
 
         self.comm = _Comm(topology, graph)
         self._last: PlanArrays | None = None
+        self._prio_cache: dict = {}
         self.caps = np.array([d.memory_bytes for d in topology.devices])
+        self.dev_bw = np.array([d.bandwidth() for d in topology.devices])
+        self.dev_lo = np.array([d.launch_overhead for d in topology.devices])
         self.device_names = [d.name for d in topology.devices]
 
     # ------------------------------------------------------------------ interning
@@ -501,45 +642,62 @@ class Simulator:
         return len(self._tpl) - 1
 
     def _template_arrays(self):
-        if self._tpl_arrays is None:
-            s_tptr = [0]
-            t_dur, t_bwd, t_rptr, t_ridx, t_dptr, t_didx, labels = [], [], [0], [], [0], [], []
-            for tp in self._tpl:
-                for dur, bwd, res, devs, lab in tp["tasks"]:
-                    t_dur.append(dur)
-                    t_bwd.append(bwd)
-                    t_ridx.extend(res)
-                    t_rptr.append(len(t_ridx))
-                    t_didx.extend(devs)
-                    t_dptr.append(len(t_didx))
-                    labels.append(lab)
-                s_tptr.append(len(t_dur))
-            # forward steps and backward steps share st_ptr: lay them out f-steps of sig 0, b-steps of sig 0, ...
-            # (rebuild so that each sig's f and b step ranges are contiguous and disjoint)
-            s_fptr2, s_bptr2, st_ptr2, st_idx2 = [], [], [0], []
-            for tp in self._tpl:
-                s_fptr2.append(len(st_ptr2) - 1)
-                for step in tp["f"]:
-                    st_idx2.extend(step)
-                    st_ptr2.append(len(st_idx2))
-                s_bptr2.append(len(st_ptr2) - 1)
-                for step in tp["b"]:
-                    st_idx2.extend(step)
-                    st_ptr2.append(len(st_idx2))
-            # s_fptr[s]..s_fptr[s+1] must be the f-steps of s: encode as begin/end pairs via two arrays
-            f_lo = np.asarray(s_fptr2, dtype=np.int64)
-            b_lo = np.asarray(s_bptr2, dtype=np.int64)
-            nf = np.array([len(tp["f"]) for tp in self._tpl], dtype=np.int64)
-            nbk = np.array([len(tp["b"]) for tp in self._tpl], dtype=np.int64)
-            i64 = np.int64
-            self._tpl_arrays = dict(
-                s_tptr=np.asarray(s_tptr, dtype=i64), t_dur=np.asarray(t_dur, dtype=np.float64),
-                t_bwd=np.asarray(t_bwd, dtype=np.bool_), t_kind=np.full(len(t_dur), KIND_COMM, dtype=i64),
-                t_rptr=np.asarray(t_rptr, dtype=i64), t_ridx=np.asarray(t_ridx, dtype=i64),
-                t_dptr=np.asarray(t_dptr, dtype=i64), t_didx=np.asarray(t_didx, dtype=i64),
-                f_lo=f_lo, f_n=nf, b_lo=b_lo, b_n=nbk,
-                st_ptr=np.asarray(st_ptr2, dtype=i64), st_idx=np.asarray(st_idx2, dtype=i64), labels=labels)
-        return self._tpl_arrays
+        """The templates as flat CSR arrays (over templates, their tasks and chain steps); templates
+        added since the last call are flattened and appended (concatenation, no Python re-walk)."""
+        if self._tpl_arrays is not None:
+            return self._tpl_arrays
+        i64 = np.int64
+        old = getattr(self, "_tpl_np", None)
+        if old is None:
+            old = {k: np.zeros(0, dtype=i64) for k in ("s_tptr", "t_rptr", "t_ridx", "t_dptr", "t_didx", "f_lo",
+                                                         "f_n", "b_lo", "b_n", "st_ptr", "st_idx", "t_kind")}
+            old.update(s_tptr=np.zeros(1, dtype=i64), t_rptr=np.zeros(1, dtype=i64), t_dptr=np.zeros(1, dtype=i64),
+                       st_ptr=np.zeros(1, dtype=i64), t_dur=np.zeros(0), t_bwd=np.zeros(0, dtype=np.bool_), labels=[])
+            self._n_flat = 0
+        nt, nr, ndv = len(old["t_dur"]), len(old["t_ridx"]), len(old["t_didx"])
+        nst, nsti = len(old["st_ptr"]) - 1, len(old["st_idx"])
+        new = {k: [] for k in old}
+        for tp in self._tpl[self._n_flat:]:
+            for dur, bwd, res, devs, lab in tp["tasks"]:
+                new["t_dur"].append(dur)
+                new["t_bwd"].append(bwd)
+                new["t_ridx"].extend(res)
+                nr += len(res)
+                new["t_rptr"].append(nr)
+                new["t_didx"].extend(devs)
+                ndv += len(devs)
+                new["t_dptr"].append(ndv)
+                new["labels"].append(lab)
+            nt += len(tp["tasks"])
+            new["s_tptr"].append(nt)
+            # forward steps then backward steps of each template, contiguous: ranges [lo, lo + n)
+            for chain, lo, cnt in (("f", "f_lo", "f_n"), ("b", "b_lo", "b_n")):
+                new[lo].append(nst)
+                new[cnt].append(len(tp[chain]))
+                for step in tp[chain]:
+                    new["st_idx"].extend(step)
+                    nsti += len(step)
+                    new["st_ptr"].append(nsti)
+                    nst += 1
+        self._n_flat = len(self._tpl)
+        arr = {}
+        for k, v in old.items():
+            if k == "labels":
+                arr[k] = v + new[k]
+            elif k == "t_kind":
+                arr[k] = np.full(nt, KIND_COMM, dtype=i64)
+            else:
+                arr[k] = np.concatenate([v, np.asarray(new[k], dtype=v.dtype)])
+        self._tpl_np = arr
+        out = dict(arr)
+        nsig = len(self._tpl)
+        for c in ("f", "b"):  # (begin, end) pairs at 2s, 2s+1 for the kernel
+            rng = np.empty(2 * nsig, dtype=i64)
+            rng[0::2] = arr[c + "_lo"]
+            rng[1::2] = arr[c + "_lo"] + arr[c + "_n"]
+            out[c + "_rng"] = rng
+        self._tpl_arrays = out
+        return out
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, plan: Plan, objective: str = "step_time", *, timeline: bool = False, _tail: bool = True):
@@ -573,10 +731,38 @@ class Simulator:
             pa.rc[node] = bool(recompute)
             pa.fwd, pa.bwd = self.node_times(pa)
         else:
-            f, b = self.node_times(pa, np.array([node]))
-            pa.fwd[node], pa.bwd[node] = f[0], b[0]
+            pa.fwd[node], pa.bwd[node] = self._node_time(pa, node)
         self._last = pa
         return self._run(pa, timeline)
+
+    def _node_time(self, pa: PlanArrays, v: int) -> tuple[float, float]:
+        """``node_times`` of one node in scalar arithmetic (the same operations, so the same floats)."""
+        graph = self.graph
+        g = self._groups[int(pa.gid[v])]
+        dp = int(pa.dp[v])
+        lay = int(pa.lay[v])
+        split = len(g) // dp if lay in (L_COL, L_ROW) else 1
+        s = pa.scale / dp
+        specs, dev_spec = self._device_specs(pa.dtype)
+        tf = tb = 0.0
+        for i in sorted({int(dev_spec[d]) for d in g}):
+            kind, rate, bw, lo = specs[i]
+            meas = graph.measured.get(kind)
+            if meas is not None:
+                f = float(meas["fwd"][v]) * s / split
+                b = float(meas["bwd"][v]) * s / split
+            else:
+                act = float(self.act[v]) * s
+                byt = (act + float(graph.param_bytes[v])) / split
+                ov = int(graph.n_ops[v]) * lo
+                f = max(float(graph.fwd_flops[v]) * s / split / rate, byt / bw) + ov
+                b = max(float(graph.bwd_flops[v]) * s / split / rate, 2 * byt / bw) + ov
+            tf, tb = max(tf, f), max(tb, b)
+        if pa.rc[v]:
+            tb = tb + tf
+        if pa.objective == "latency":
+            tf = tf * float(dp)
+        return tf, tb
 
     def plan_of(self, pa: PlanArrays, like: Plan) -> Plan:
         """A Plan with the decisions of ``pa`` and the global settings of ``like``."""
@@ -586,13 +772,8 @@ class Simulator:
 
     def stages(self, pa: PlanArrays) -> tuple[np.ndarray, int]:
         """Plan.stages in arrays: distinct groups in order of first use in topological order."""
-        gt = pa.gid[self.topo]
-        uniq, first = np.unique(gt, return_index=True)
-        rank = np.empty(len(uniq), dtype=np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(uniq))
-        lut = np.zeros(int(uniq[-1]) + 1 if len(uniq) else 1, dtype=np.int64)
-        lut[uniq] = rank
-        return lut[pa.gid], max(1, len(uniq))
+        stage, p = _stage_of(pa.gid, self.topo, len(self._groups))
+        return stage, max(1, int(p))
 
     def _edge_groups(self, pa: PlanArrays, latency: bool):
         """Edges grouped by (producer, consumer group, consumer dp, requirement, column-weighted), in
@@ -602,50 +783,52 @@ class Simulator:
         if E == 0:
             z = np.zeros(0, dtype=np.int64)
             return z, z, np.zeros(0), np.zeros(1, dtype=np.int64), z, z
-        u, v = self.esrc, self.edst
-        lay_v = pa.lay[v]
-        req = np.where(lay_v == L_COL, np.where(self.has_params[v], FULL, FSHARD),
-                       np.where(lay_v == L_ROW, np.where(self.is_emb[v], FULL, FSHARD), FULL))
-        colw = (lay_v == L_COL) & self.has_params[v]
-        gv = pa.gid[v]
-        dpv = pa.dp[v]
-        G = len(self._groups) + 1
-        D = int(pa.dp.max()) + 1
-        code = (((u * G + gv) * D + dpv) * 3 + req) * 2 + colw
-        uniq, first, inv = np.unique(code, return_index=True, return_inverse=True)
-        order = np.argsort(first, kind="stable")
-        rank = np.empty(len(uniq), dtype=np.int64)
-        rank[order] = np.arange(len(uniq))
-        erank = rank[inv.reshape(-1)]
-        K = len(uniq)
-        eorder = np.argsort(erank, kind="stable")  # edges by group, then by edge id
-        counts = np.bincount(erank, minlength=K)
-        cons_ptr = np.zeros(K + 1, dtype=np.int64)
-        np.cumsum(counts, out=cons_ptr[1:])
-        cons_idx = v[eorder]
-        e0 = first[order]  # first edge of each group
-        ku = u[e0]
-        bmax = np.maximum.reduceat(self.byte_rank[eorder], cons_ptr[:-1])
-        S = self.byte_vals[bmax] * pa.scale
-        # signature: everything the communication template depends on
-        lay_u = pa.lay[ku]
-        have = np.where(lay_u == L_COL, FSHARD, np.where(lay_u == L_ROW, PARTIAL, FULL))
-        cols = [pa.gid[ku], pa.dp[ku], have, gv[e0], dpv[e0], req[e0], colw[e0].astype(np.int64),
-                S.view(np.int64)]
         et = graph.edge_time
-        if et is not None:
-            cols.append(np.asarray(et[e0], dtype=np.float64).view(np.int64))
-            cols.append(np.full(K, pa.scale).view(np.int64))
-        sig_rows = np.stack(cols, axis=1)
-        srow, sinv = _unique_rows(sig_rows)
-        width = sig_rows.shape[1]
+        ku, e0, S, cons_ptr, cons_idx, sig_rows, hh, first, sinv, clash = _group_edges(
+            self.esrc, self.edst, pa.gid, pa.dp, pa.lay, self.has_params, self.is_emb, self.byte_rank,
+            self.byte_vals, float(pa.scale), self._et, et is not None, bool(latency), len(self._groups) + 1,
+            int(pa.dp.max()) + 1)
+        srow, sh = sig_rows[first], hh[first]
+        if clash:  # pragma: no cover - a 64-bit hash collision
+            srow, sinv = np.unique(sig_rows, axis=0, return_inverse=True)
+            sinv, sh = sinv.reshape(-1), None
+        sig_of_row = None
+        if sh is not None and self._hk is not None and self._sig_rows.shape[1] == srow.shape[1]:
+            # fast: find the distinct rows' hashes among the known templates', then check the rows
+            idx = np.searchsorted(self._hk, sh)
+            idx[idx >= len(self._hk)] = 0
+            if (self._hk[idx] == sh).all():
+                sids = self._hv[idx]
+                if np.array_equal(self._sig_rows[sids], srow):
+                    sig_of_row = sids
+        if sig_of_row is None:
+            sig_of_row = self._lookup_templates(srow, sh, pa, latency)
+        return ku, sig_of_row[sinv], S, cons_ptr, cons_idx, e0
+
+    def _priorities(self, gpipe: bool, m: int):
+        """Priority of F / B of each node at microbatch 0, and the step per microbatch (the reference's
+        ``prio``: GPipe all forwards then all backwards; 1F1B microbatch-major, backward first)."""
+        key = (gpipe, m)
+        hit = self._prio_cache.get(key)
+        if hit is None:
+            N = float(self.n + 1)
+            tpos = self.topo_pos.astype(np.float64)
+            if gpipe:
+                hit = (tpos.copy(), m * N + (N - 1 - tpos), N)
+            else:
+                hit = (N + tpos, N - 1 - tpos, 2 * N)
+            self._prio_cache[key] = hit
+        return hit
+
+    def _lookup_templates(self, srow, sh, pa, latency) -> np.ndarray:
+        """Template id of each distinct signature row, building the templates not seen before."""
+        et = self.graph.edge_time
         buf = srow.tobytes()
-        rb = width * 8
-        tag = b"L" if latency else b"S"
+        rb = srow.shape[1] * 8
         sig_of_row = np.empty(len(srow), dtype=np.int64)
         table = self._sig
         for i in range(len(srow)):
-            kb = tag + buf[i * rb:(i + 1) * rb]
+            kb = buf[i * rb:(i + 1) * rb]
             sid = table.get(kb)
             if sid is None:
                 r = srow[i]
@@ -655,7 +838,26 @@ class Simulator:
                                      latency, pa.scale)
                 table[kb] = sid
             sig_of_row[i] = sid
-        return ku, sig_of_row[sinv], S, cons_ptr, cons_idx, e0
+        # the hash index: one row per template id
+        width = srow.shape[1]
+        if self._sig_rows is None or self._sig_rows.shape[1] != width:
+            self._sig_rows = np.zeros((0, width), dtype=np.int64)
+            self._sig_h = {}
+            self._hk = self._hv = None
+        nt = len(self._tpl)
+        if self._sig_rows.shape[0] < nt:
+            grow = np.zeros((nt - self._sig_rows.shape[0], width), dtype=np.int64)
+            grow[:, 0] = -1  # not a valid group id: never equal to a real row
+            self._sig_rows = np.concatenate([self._sig_rows, grow])
+        self._sig_rows[sig_of_row] = srow
+        if sh is not None:
+            for x, sid in zip(sh.tolist(), sig_of_row.tolist()):
+                self._sig_h[x] = sid
+            keys = np.fromiter(self._sig_h.keys(), dtype=np.uint64, count=len(self._sig_h))
+            vals = np.fromiter(self._sig_h.values(), dtype=np.int64, count=len(self._sig_h))
+            o = np.argsort(keys)
+            self._hk, self._hv = keys[o], vals[o]
+        return sig_of_row
 
     def _run(self, pa: PlanArrays, want_timeline: bool, tail: bool = True):
         from envs.simulator import StepReport
@@ -666,12 +868,7 @@ class Simulator:
         m = pa.m
         gpipe = pa.schedule == "gpipe"
         stage, p = self.stages(pa)
-        N = float(n + 1)
-        tpos = self.topo_pos.astype(np.float64)
-        if gpipe:
-            fb, bb, slope = tpos.copy(), m * N + (N - 1 - tpos), N
-        else:
-            fb, bb, slope = N + tpos, N - 1 - tpos, 2 * N
+        fb, bb, slope = self._priorities(gpipe, m)
         ku, ksig, _S, cons_ptr, cons_idx, _e0 = self._edge_groups(pa, latency)
         K = len(ku)
         if K:
@@ -681,19 +878,11 @@ class Simulator:
         key_prb = bb[ku] if not latency else np.zeros(K)
         g_ptr, g_dev, g_size = self._group_arrays()
         ta = self._template_arrays()
-        # step ranges of each signature as (begin, end) pairs at 2s, 2s+1
-        nsig = len(self._tpl)
-        f_rng = np.empty(2 * nsig, dtype=np.int64)
-        f_rng[0::2] = ta["f_lo"]
-        f_rng[1::2] = ta["f_lo"] + ta["f_n"]
-        b_rng = np.empty(2 * nsig, dtype=np.int64)
-        b_rng[0::2] = ta["b_lo"]
-        b_rng[1::2] = ta["b_lo"] + ta["b_n"]
         dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst = _assemble(
             n, m, latency, slope, fb, bb, pa.fwd, pa.bwd, pa.gid, g_ptr, g_dev,
             ku, ksig, key_prf, key_prb, cons_ptr, cons_idx,
             ta["s_tptr"], ta["t_dur"], ta["t_bwd"], ta["t_kind"], ta["t_rptr"], ta["t_ridx"], ta["t_dptr"],
-            ta["t_didx"], f_rng, b_rng, ta["st_ptr"], ta["st_idx"])
+            ta["t_didx"], ta["f_rng"], ta["b_rng"], ta["st_ptr"], ta["st_idx"])
         nt_a = len(dur)
         c = 1 if latency else 2
         extra_dur, extra_pri, extra_kind, extra_res, extra_src, extra_dst, extra_labels = [], [], [], [], [], [], []
@@ -717,6 +906,7 @@ class Simulator:
                     extra_dst.append(F0[vv] + kk * c)
         nxt = nt_a
         opt_ids = np.full(nd, -1, dtype=np.int64)
+        expand = None
         ex_dev_ptr = [0]
         ex_dev_idx: list[int] = []
         if not latency and tail:
@@ -780,29 +970,22 @@ class Simulator:
                 bt_ids = np.zeros(0, dtype=np.int64)
                 bdevs = np.zeros(0, dtype=np.int64)
             # optimizer update: memory-bound pass over the model states (read + write)
-            cnt = g_size[pa.gid]
-            owner = np.repeat(np.arange(n, dtype=np.int64), cnt)
-            starts = g_ptr[pa.gid]
-            pos = np.arange(int(cnt.sum()), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            ndev_of = g_dev[np.repeat(starts, cnt) + pos]
+            owner, ndev_of = expand = _expand(pa.gid, g_ptr, g_dev)
             pw = graph.param_bytes / self.pbytes / np.where(split_tp, tp, 1)
             params_dev = np.bincount(ndev_of, weights=pw[owner], minlength=nd)
-            specs_dev = self.topology.devices
-            for d in range(nd):
-                if params_dev[d] <= 0:
-                    continue
-                dev = specs_dev[d]
-                # Adam is memory-bound: one read and one write of all model states (ZeRO, SC'20, Sec. 3)
-                t = 2 * params_dev[d] * pa.state_bytes / dev.bandwidth() + dev.launch_overhead
-                opt_ids[d] = nxt
-                nxt += 1
-                extra_dur.append(t)
-                extra_pri.append(1e300)
-                extra_kind.append(KIND_OPT)
-                extra_res.append([d])
-                ex_dev_idx.append(d)
-                ex_dev_ptr.append(len(ex_dev_idx))
-                extra_labels.append(d)
+            has = np.flatnonzero(params_dev > 0)
+            # Adam is memory-bound: one read and one write of all model states (ZeRO, SC'20, Sec. 3)
+            t_opt = 2 * params_dev[has] * pa.state_bytes / self.dev_bw[has] + self.dev_lo[has]
+            opt_ids[has] = nxt + np.arange(len(has))
+            nxt += len(has)
+            extra_dur.extend(t_opt.tolist())
+            extra_pri.extend([1e300] * len(has))
+            extra_kind.extend([KIND_OPT] * len(has))
+            hl = has.tolist()
+            extra_res.extend([d] for d in hl)
+            ex_dev_idx.extend(hl)
+            ex_dev_ptr.extend(range(len(ex_dev_idx) - len(hl) + 1, len(ex_dev_idx) + 1))
+            extra_labels.extend(hl)
             ok = opt_ids[bdevs] >= 0
             extra_src.append(bt_ids[ok])
             extra_dst.append(opt_ids[bdevs][ok])
@@ -824,8 +1007,7 @@ class Simulator:
         if extra_src:
             src = np.concatenate([src] + extra_src)
             dst = np.concatenate([dst] + extra_dst)
-        succ_ptr, succ_idx = to_csr(src, dst, nt)
-        n_pred = np.bincount(dst, minlength=nt).astype(np.int64)
+        succ_ptr, succ_idx, n_pred = csr_and_indegree(src, dst, nt)
         start, finish, done = list_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
         if done != nt:  # pragma: no cover - would be a bug in the task graph
             raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
@@ -835,7 +1017,7 @@ class Simulator:
         kind_rep = np.repeat(kind, dev_counts)
         compute = np.bincount(dev_idx, weights=w * (kind_rep != KIND_COMM), minlength=nd)
         commt = np.bincount(dev_idx, weights=w * (kind_rep == KIND_COMM), minlength=nd)
-        mem = self.memory(pa, stage, p)
+        mem = self.memory(pa, stage, p, expand)
         total = mem["total"]
         oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]
         labels = None
@@ -880,7 +1062,7 @@ class Simulator:
         return out
 
     # ------------------------------------------------------------------ memory
-    def memory(self, pa: PlanArrays, stage: np.ndarray, p: int) -> dict[str, np.ndarray]:
+    def memory(self, pa: PlanArrays, stage: np.ndarray, p: int, expand=None) -> dict[str, np.ndarray]:
         """Vectorised ``envs.simulator.memory`` (recomputation falls back to the reference loop)."""
         objective = "latency" if pa.objective == "latency" else "step_time"
         if pa.rc.any():
@@ -907,12 +1089,8 @@ class Simulator:
             inflight = np.full(self.n, float(pa.m))
         else:
             inflight = np.minimum(pa.m, p - stage).astype(np.float64)
-        cnt = g_size[pa.gid]
-        owner = np.repeat(np.arange(self.n, dtype=np.int64), cnt)
-        pos = np.arange(int(cnt.sum()), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        # the reference walks each group in its own device order; sums per device are order-independent
-        # across nodes only up to rounding, so walk nodes in order (bincount accumulates in input order)
-        devs = g_dev[np.repeat(g_ptr[pa.gid], cnt) + pos]
+        # the reference adds node by node; bincount accumulates in input order (node-major): same sums
+        owner, devs = expand if expand is not None else _expand(pa.gid, g_ptr, g_dev)
         states = np.bincount(devs, weights=st[owner], minlength=nd)
         acts = np.bincount(devs, weights=(out * inflight)[owner], minlength=nd)
         transient = np.zeros(nd)

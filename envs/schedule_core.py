@@ -78,6 +78,20 @@ def _csr(src, dst, n):
     return ptr, idx
 
 
+@njit(cache=True)
+def _csr_indeg(src, dst, n):
+    ptr, idx = _csr(src, dst, n)
+    indeg = np.zeros(n, dtype=np.int64)
+    for i in range(dst.shape[0]):
+        indeg[dst[i]] += 1
+    return ptr, idx, indeg
+
+
+def csr_and_indegree(src: np.ndarray, dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``to_csr`` plus the number of predecessors of each task."""
+    return _csr_indeg(np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64), int(n))
+
+
 def to_csr(lists_src: np.ndarray, lists_dst: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR (ptr, idx) of pairs (src -> dst) for src in range(n), successors in the order given."""
     return _csr(np.ascontiguousarray(lists_src, dtype=np.int64), np.ascontiguousarray(lists_dst, dtype=np.int64),

@@ -17,6 +17,12 @@ member). Compute and communication overlap freely. Routes and bandwidths come fr
 (widest path, alpha-beta). Pipeline schedules: GPipe runs all forwards then all backwards (flush);
 1F1B keeps at most ``p - s`` microbatches in flight on stage ``s`` (Narayanan et al., PipeDream-Flush,
 ICML'21) and prefers backward work.
+
+Speed: ``simulate`` builds the task graph with the compiled evaluator :class:`envs.fast_sim.Simulator`
+(cached per graph and topology; numpy + numba, the same tasks as the plain-Python reference builder
+``_schedule_reference`` bit for bit; it also offers ``delta`` re-evaluation after moving one node), and
+switches to the stage-level pipeline model of :mod:`envs.fast_stage` for stage-chain plans whose task
+graph would exceed ``FAST_PATH_TASKS`` (``fast_path=`` forces either way).
 """
 
 from __future__ import annotations
@@ -620,3 +626,7 @@ def _throughput(graph: OpGraph, topology: Topology, plan: Plan) -> StepReport:
                       comm_time=load_m, idle_time=np.maximum(value - load, 0.0), peak_memory=total,
                       memory_capacity=mem["capacity"], oom=oom, memory_breakdown=mem,
                       device_names=[d.name for d in topology.devices])
+
+
+# the compiled evaluator (one graph, many plans; delta evaluation) and the stage-level fast path
+from envs.fast_sim import FAST_PATH_TASKS, Simulator, simulator_for  # noqa: E402, F401
