@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "agent.commands.topology",
     "agent.commands.import_cmd",
     "agent.commands.profile",
+    "agent.commands.bench",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

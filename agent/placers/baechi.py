@@ -1,0 +1,165 @@
+"""Memory-constrained list-scheduling placers m-ETF and m-SCT (Jeon et al., "Baechi: Fast Device
+Placement of Machine Learning Graphs", SoCC 2020).
+
+Both schedule the forward graph's operators one by one on the devices, with each operator's time the
+forward + backward time on that device (``envs.simulator.node_times``, i.e. measured times or the
+roofline) and each cross-device tensor costing ``Topology.p2p_time`` (or the graph's measured edge
+time). A device is eligible for an operator only while it has memory left for the operator's model
+states and stashed activation (Baechi's memory constraint); when no device has room, the one with the
+most free memory takes it and :func:`~agent.placers.common.repair_memory` fixes the rest.
+
+- **m-ETF** (earliest finish time; Hwang, Chow, Anger & Lee, SIAM J. Comput. 1989): among all ready
+  (operator, device) pairs, schedule the one that finishes first.
+- **m-SCT** (small communication time; Hanen & Munier 1995, as adapted by Baechi): every operator
+  has at most one *favourite child*; a favourite child is placed on its parent's device when that device
+  has room and is free by the time the child's data is ready, otherwise ETF decides. Baechi obtains
+  favourite children from the rounded solution of an LP relaxation; here each operator's favourite
+  child is the child it sends the most data to (the LP's rounding keeps the heaviest edge when
+  communication is small), a greedy stand-in for the LP.
+
+Co-location classes are respected: the first member placed pins the whole class (and charges its
+memory) to that device. The microbatch count of the final plan is chosen by the simulator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agent.placers.common import (
+    Budget,
+    Scorer,
+    allowed_devices,
+    assignment_plan,
+    best_of,
+    finish,
+    microbatch_options,
+    node_memory,
+    op_time_matrix,
+    plan_defaults,
+    repair_memory,
+    units,
+)
+from envs.graph import OpGraph
+from envs.topology import Topology
+
+DEFAULT_BUDGET = Budget(seconds=30.0, evaluations=32)
+
+
+def _edge_time(graph: OpGraph, topology: Topology, e: int, a: int, b: int) -> float:
+    if a == b:
+        return 0.0
+    if graph.edge_time is not None:
+        return float(graph.edge_time[e])
+    return topology.p2p_time(a, b, float(graph.edge_bytes[e]))
+
+
+def list_schedule_placement(graph: OpGraph, topology: Topology, *, sct: bool) -> np.ndarray:
+    """Device of each node from memory-constrained ETF (``sct=False``) or SCT (``sct=True``)."""
+    n, nd = graph.num_nodes, topology.num_devices
+    kw = plan_defaults(graph)
+    tau = op_time_matrix(graph, topology, kw["dtype"])
+    mem = node_memory(graph, kw)
+    cap = np.array([d.memory_bytes for d in topology.devices], dtype=np.float64)
+    allowed = allowed_devices(graph, topology)
+    unit, members = units(graph)
+    umem = np.array([mem[m].sum() for m in members])
+    uallowed = np.array([allowed[m].all(axis=0) for m in members])
+    in_edges: list[list[int]] = [[] for _ in range(n)]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for e in range(graph.num_edges):
+        in_edges[int(graph.edge_dst[e])].append(e)
+        succ[int(graph.edge_src[e])].append(int(graph.edge_dst[e]))
+    fav_parent = np.full(n, -1, dtype=np.int64)
+    if sct:
+        out_best: dict[int, tuple[float, int]] = {}
+        for e in range(graph.num_edges):
+            u, v = int(graph.edge_src[e]), int(graph.edge_dst[e])
+            w = float(graph.edge_time[e]) if graph.edge_time is not None else float(graph.edge_bytes[e])
+            if u not in out_best or w > out_best[u][0]:
+                out_best[u] = (w, v)
+        for u, (_, v) in out_best.items():
+            if fav_parent[v] < 0:
+                fav_parent[v] = u
+    remaining = np.bincount(graph.edge_dst, minlength=n).astype(np.int64)
+    device = np.full(n, -1, dtype=np.int64)
+    unit_dev = np.full(len(members), -1, dtype=np.int64)
+    finish_t = np.zeros(n)
+    free_at = np.zeros(nd)
+    used = np.zeros(nd)
+    ready: list[int] = [v for v in graph.topological_order().tolist() if remaining[v] == 0]
+    data_ready: dict[int, np.ndarray] = {}
+
+    def arrival(v: int) -> np.ndarray:
+        arr = np.zeros(nd)
+        for e in in_edges[v]:
+            u = int(graph.edge_src[e])
+            t = np.array([finish_t[u] + _edge_time(graph, topology, e, int(device[u]), d) for d in range(nd)])
+            arr = np.maximum(arr, t)
+        return arr
+
+    for v in ready:
+        data_ready[v] = arrival(v)
+    while ready:
+        R = np.asarray(ready, dtype=np.int64)
+        arr = np.stack([data_ready[v] for v in ready])
+        start = np.maximum(arr, free_at[None, :])
+        fin = start + tau[R]
+        ok = np.zeros_like(fin, dtype=bool)
+        for i, v in enumerate(ready):
+            u = unit[v]
+            if unit_dev[u] >= 0:
+                ok[i, unit_dev[u]] = True
+            else:
+                ok[i] = uallowed[u] & (used + umem[u] <= cap)
+                if not ok[i].any():  # nowhere fits: the most free memory among the allowed devices
+                    free = np.where(uallowed[u], cap - used, -np.inf)
+                    ok[i, int(np.argmax(free))] = True
+                p = int(fav_parent[v])
+                if sct and p >= 0 and device[p] >= 0 and ok[i, device[p]] \
+                        and free_at[device[p]] <= arr[i, device[p]] + 1e-12:
+                    keep = int(device[p])
+                    ok[i] = False
+                    ok[i, keep] = True
+        masked = np.where(ok, fin, np.inf)
+        flat = int(np.argmin(masked))
+        i, d = divmod(flat, nd)
+        v = int(R[i])
+        device[v] = d
+        finish_t[v] = fin[i, d]
+        free_at[d] = fin[i, d]
+        u = unit[v]
+        if unit_dev[u] < 0:
+            unit_dev[u] = d
+            used[d] += umem[u]
+        ready.pop(i)
+        del data_ready[v]
+        for w in succ[v]:
+            remaining[w] -= 1
+            if remaining[w] == 0:
+                ready.append(int(w))
+                data_ready[int(w)] = arrival(int(w))
+    # co-location classes follow the device their first member got
+    for u, m in enumerate(members):
+        device[m] = unit_dev[u]
+    if (used > cap).any():
+        device = repair_memory(graph, topology, device, mem, tau)
+    return device
+
+
+def _place(graph: OpGraph, topology: Topology, name: str, sct: bool, seed: int, budget, objective: str):
+    scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
+    device = list_schedule_placement(graph, topology, sct=sct)
+    cands = [assignment_plan(graph, topology, device, microbatches=m, schedule=s)
+             for m in microbatch_options(graph.batch_size, limit=4) for s in ("1f1b", "gpipe")]
+    plan, _ = best_of(scorer, cands)
+    return finish(plan, name, seed, scorer, devices_used=len(set(device.tolist())))
+
+
+def m_etf(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, objective: str = "step_time"):
+    """Baechi's m-ETF (see module docstring). Deterministic; ``seed`` is recorded only."""
+    return _place(graph, topology, "m_etf", False, seed, budget, objective)
+
+
+def m_sct(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, objective: str = "step_time"):
+    """Baechi's m-SCT (see module docstring). Deterministic; ``seed`` is recorded only."""
+    return _place(graph, topology, "m_sct", True, seed, budget, objective)

@@ -1,0 +1,336 @@
+"""What every placer shares: budgets, a caching scorer, the graph's placement constraints, and the
+helpers that turn a device assignment into a valid Plan.
+
+The objective value a placer minimises is :func:`score`: the simulator's ``step_time`` for the
+``step_time`` and ``latency`` objectives, and for ``throughput`` the steady-state time per *global
+batch* (the simulator's per-microbatch max-load times the number of microbatches), so that plans with
+different microbatch counts compare fairly. For the dnn-partitioning workloads (one sample, one
+microbatch) it equals the paper's max-load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from envs.errors import PlanError, RlplaceError
+from envs.evaluator import SimulatorEvaluator
+from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
+from envs.plan import ADAM_MIXED_BYTES_PER_PARAM, DTYPE_BYTES, Plan
+from envs.simulator import OBJECTIVES, node_times
+from envs.topology import Topology
+
+
+class PlacerError(RlplaceError):
+    """A placer was asked for something it cannot do (unknown name, bad budget, unknown objective)."""
+
+
+# ---------------------------------------------------------------------- budgets
+@dataclass(frozen=True)
+class Budget:
+    """How much search a placer may do: wall-clock ``seconds`` and/or simulator ``evaluations``.
+
+    The placer stops at whichever limit comes first. Evaluation budgets make results deterministic for a
+    seed; with only a wall-clock budget, a placer is deterministic given the number of evaluations it
+    reached (a faster machine gets further along the same trajectory)."""
+
+    seconds: float | None = None
+    evaluations: int | None = None
+
+    @classmethod
+    def of(cls, budget: Budget | int | float | dict | None, default: Budget) -> Budget:
+        """``None`` -> ``default``; an ``int`` -> evaluations; a ``float`` -> seconds; a dict with keys
+        ``seconds`` / ``evaluations``; or a Budget."""
+        if budget is None:
+            return default
+        if isinstance(budget, Budget):
+            return budget
+        if isinstance(budget, bool):
+            raise PlacerError(f"bad budget {budget!r}")
+        if isinstance(budget, int):
+            return cls(evaluations=budget)
+        if isinstance(budget, float):
+            return cls(seconds=budget)
+        if isinstance(budget, dict):
+            unknown = set(budget) - {"seconds", "evaluations"}
+            if unknown:
+                raise PlacerError(f"unknown budget key(s) {sorted(unknown)}; use 'seconds' and/or 'evaluations'")
+            s, e = budget.get("seconds"), budget.get("evaluations")
+            return cls(seconds=None if s is None else float(s), evaluations=None if e is None else int(e))
+        raise PlacerError(f"bad budget {budget!r}: give seconds (float), evaluations (int) or a dict")
+
+    def __post_init__(self) -> None:
+        if self.seconds is not None and not self.seconds > 0:
+            raise PlacerError(f"budget seconds must be > 0, got {self.seconds}")
+        if self.evaluations is not None and self.evaluations < 1:
+            raise PlacerError(f"budget evaluations must be >= 1, got {self.evaluations}")
+
+
+# ---------------------------------------------------------------------- scoring
+def plan_defaults(graph: OpGraph) -> dict:
+    """dtype and optimizer-state bytes of the plans placers build for ``graph`` (imported
+    dnn-partitioning workloads count memory as one byte per stored byte: fp32, 4 B per parameter)."""
+    if graph.meta.get("source") == "dnn-partitioning":
+        return {"dtype": "fp32", "state_bytes_per_param": 4.0}
+    dtype = graph.dtype if graph.dtype in DTYPE_BYTES else "bf16"
+    return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
+
+
+def score(step_time: float, plan: Plan, objective: str) -> float:
+    """The value placers minimise (see the module docstring)."""
+    return float(step_time) * (plan.microbatches if objective == "throughput" else 1)
+
+
+@dataclass
+class Outcome:
+    score: float
+    oom: bool
+    overflow: float  # worst device's peak / capacity
+    peak_memory: float  # bytes, worst device
+
+    def key(self) -> tuple:
+        """Sort key: plans that fit first, then by score (OOM plans by how far they overflow)."""
+        return (0, self.score) if not self.oom else (1, self.overflow, self.score)
+
+
+class Scorer:
+    """Evaluates plans with the simulator (through a caching evaluator), counts evaluations and keeps
+    time, so placers can honour a :class:`Budget`."""
+
+    def __init__(self, graph: OpGraph, topology: Topology, objective: str, budget: Budget):
+        if objective not in OBJECTIVES:
+            raise PlacerError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        self.graph, self.topology, self.objective, self.budget = graph, topology, objective, budget
+        self.evaluator = SimulatorEvaluator(cache_size=8192, validate=False)
+        self.evaluations = 0
+        self.t0 = time.perf_counter()
+        self.best: tuple[Outcome, Plan] | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def exhausted(self) -> bool:
+        b = self.budget
+        if b.evaluations is not None and self.evaluations >= b.evaluations:
+            return True
+        return b.seconds is not None and self.elapsed() >= b.seconds
+
+    def __call__(self, plan: Plan) -> Outcome | None:
+        """Outcome of a plan, or None if it is invalid. Every call on a new plan counts as an evaluation."""
+        try:
+            plan.validate(self.graph, self.topology)
+            check_restrictions(self.graph, self.topology, plan)
+        except PlanError:
+            return None
+        hits = self.evaluator.hits
+        res = self.evaluator.evaluate(self.graph, self.topology, plan, self.objective)
+        if self.evaluator.hits == hits:
+            self.evaluations += 1
+        out = Outcome(score(res.step_time, plan, self.objective), bool(res.oom), res.overflow,
+                      float(res.peak_memory.max()) if res.peak_memory.size else 0.0)
+        if self.best is None or out.key() < self.best[0].key():
+            self.best = (out, plan)
+        return out
+
+
+def finish(plan: Plan, name: str, seed: int, scorer: Scorer, **extra) -> Plan:
+    """Validate ``plan``, score it, and stamp its provenance."""
+    plan.validate(scorer.graph, scorer.topology)
+    check_restrictions(scorer.graph, scorer.topology, plan)
+    out = scorer(plan)
+    assert out is not None
+    plan.provenance = {"placer": name, "seed": int(seed), "objective": scorer.objective,
+                       "predicted_step_time": out.score, "peak_memory": out.peak_memory, "oom": out.oom,
+                       "evaluations": scorer.evaluations, "planning_seconds": round(scorer.elapsed(), 4), **extra}
+    return plan
+
+
+def best_of(scorer: Scorer, plans: Sequence[Plan]) -> tuple[Plan, Outcome]:
+    """Evaluate candidates in order (stopping when the budget runs out, after at least one valid one)
+    and return the best. Raises PlacerError when none is valid."""
+    best: tuple[Plan, Outcome] | None = None
+    for p in plans:
+        if best is not None and scorer.exhausted():
+            break
+        out = scorer(p)
+        if out is not None and (best is None or out.key() < best[1].key()):
+            best = (p, out)
+    if best is None:
+        raise PlacerError("no valid candidate plan")
+    return best
+
+
+# ---------------------------------------------------------------------- constraints
+def units(graph: OpGraph) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Placement units: a co-location class, or a node of no class. Returns (unit of node, nodes of unit)
+    with units numbered in order of their first node in topological order."""
+    n = graph.num_nodes
+    unit = np.full(n, -1, dtype=np.int64)
+    of_class: dict[int, int] = {}
+    members: list[list[int]] = []
+    for v in graph.topological_order().tolist():
+        c = int(graph.colocation[v])
+        if c >= 0 and c in of_class:
+            u = of_class[c]
+        else:
+            u = len(members)
+            members.append([])
+            if c >= 0:
+                of_class[c] = u
+        unit[v] = u
+        members[u].append(v)
+    return unit, [np.asarray(m, dtype=np.int64) for m in members]
+
+
+def allowed_devices(graph: OpGraph, topology: Topology) -> np.ndarray:
+    """Boolean (nodes x devices): where each node may run (``meta["cpu_only"]`` nodes only on CPUs)."""
+    ok = np.ones((graph.num_nodes, topology.num_devices), dtype=bool)
+    cpu_only = graph.meta.get("cpu_only") or []
+    if cpu_only:
+        is_cpu = np.array([d.kind == "cpu" for d in topology.devices])
+        ok[np.asarray(cpu_only, dtype=np.int64)] = is_cpu[None, :]
+    return ok
+
+
+def check_restrictions(graph: OpGraph, topology: Topology, plan: Plan) -> None:
+    """Restrictions beyond Plan.validate: CPU-only nodes stay on CPUs."""
+    cpu_only = graph.meta.get("cpu_only") or []
+    for v in cpu_only:
+        if any(topology.devices[d].kind != "cpu" for d in plan.groups[v]):
+            raise PlanError(f"node {graph.names[v]!r} may only run on a CPU")
+
+
+def layout_ok(graph: OpGraph, v: int, layout: str, group_size: int, dp: int) -> bool:
+    caps = int(graph.layout_caps[v])
+    if layout == "single":
+        return group_size == 1
+    if layout == "batch_split":
+        return bool(caps & CAN_BATCH) and dp == group_size
+    if dp > 1 and not caps & CAN_BATCH:
+        return False
+    if layout == "col_split":
+        return bool(caps & CAN_COL)
+    if layout == "row_split":
+        return bool(caps & CAN_ROW)
+    return layout == "replicate"
+
+
+def enforce_constraints(graph: OpGraph, topology: Topology, plan: Plan) -> Plan:
+    """Make ``plan`` respect co-location classes and CPU-only nodes: each class takes the group and
+    layout of its first member (in topological order) if every member can use them, else the class runs
+    ``single`` on that group's first device; CPU-only nodes (and their classes) move to the first CPU."""
+    groups, layouts, dps = list(plan.groups), list(plan.layouts), plan.dp.copy()
+    allowed = allowed_devices(graph, topology)
+    unit, members = units(graph)
+    cpus = [i for i, d in enumerate(topology.devices) if d.kind == "cpu"]
+    for nodes in members:
+        first = int(nodes[0])
+        g, lay, dp = groups[first], layouts[first], int(dps[first])
+        if not all(allowed[v, list(g)].all() for v in nodes):
+            g, lay, dp = ((cpus[0],) if cpus else (g[0],)), "single", 1
+        elif not all(layout_ok(graph, int(v), lay, len(g), dp) for v in nodes):
+            g, lay, dp = (g[0],), "single", 1
+        for v in nodes:
+            groups[v], layouts[v], dps[v] = g, lay, dp
+    return plan.copy(groups=groups, layouts=layouts, dp=dps)
+
+
+# ---------------------------------------------------------------------- plan builders
+def assignment_plan(graph: OpGraph, topology: Topology, device: Sequence[int], *, microbatches: int = 1,
+                    schedule: str = "1f1b", global_batch: int | None = None, recompute: bool = False) -> Plan:
+    """One device per node, layout ``single``, then :func:`enforce_constraints`."""
+    n = graph.num_nodes
+    plan = Plan(groups=[(int(d),) for d in device], layouts=["single"] * n, microbatches=microbatches,
+                schedule=schedule, global_batch=global_batch, recompute=np.full(n, recompute),
+                **plan_defaults(graph))
+    return enforce_constraints(graph, topology, plan)
+
+
+def divisors(x: int) -> list[int]:
+    return [d for d in range(1, int(x) + 1) if x % d == 0]
+
+
+def microbatch_options(batch: int, limit: int = 6, multiple_of: int = 1) -> list[int]:
+    """Up to ``limit`` microbatch counts m (powers of two first, then other divisors of ``batch``) whose
+    microbatch size batch/m is a multiple of ``multiple_of``."""
+    ok = [m for m in divisors(batch) if (batch // m) % multiple_of == 0]
+    pow2 = [m for m in ok if m & (m - 1) == 0]
+    rest = [m for m in ok if m not in pow2]
+    return (pow2 + rest)[:limit] or [1]
+
+
+def op_time_matrix(graph: OpGraph, topology: Topology, dtype: str | None = None) -> np.ndarray:
+    """Forward + backward time (s) of each node alone on each device for the traced batch
+    (``envs.simulator.node_times`` with layout ``single``): nodes x devices."""
+    dtype = dtype or plan_defaults(graph)["dtype"]
+    n, nd = graph.num_nodes, topology.num_devices
+    out = np.zeros((n, nd))
+    by_kind: dict[tuple, np.ndarray] = {}
+    for d, dev in enumerate(topology.devices):
+        key = (dev.kind, dev.flops(dtype), dev.bandwidth(), dev.launch_overhead)
+        if key not in by_kind:
+            plan = Plan(groups=[(d,)] * n, layouts=["single"] * n, dtype=dtype)
+            f, b = node_times(graph, topology, plan, 1.0)
+            by_kind[key] = f + b
+        out[:, d] = by_kind[key]
+    return out
+
+
+def device_speed_order(topology: Topology, dtype: str = "bf16") -> list[int]:
+    """Devices fastest first (by achievable FLOP/s, then memory), ties in topology order."""
+    return sorted(range(topology.num_devices),
+                  key=lambda d: (-topology.devices[d].flops(dtype), -topology.devices[d].memory_bytes, d))
+
+
+def node_memory(graph: OpGraph, plan_kw: dict, microbatch_scale: float = 1.0, inflight: int = 1) -> np.ndarray:
+    """Additive per-node memory estimate (bytes) when the node runs ``single``: model states plus the
+    stashed output for ``inflight`` microbatches (the simulator's ``memory`` without recomputation)."""
+    pbytes = DTYPE_BYTES.get(graph.dtype, 2)
+    if graph.meta.get("memory_model") == "param_bytes":
+        states = graph.param_bytes.copy()
+    else:
+        states = graph.param_bytes / pbytes * plan_kw["state_bytes_per_param"]
+    return states + graph.out_bytes * microbatch_scale * inflight
+
+
+def repair_memory(graph: OpGraph, topology: Topology, device: np.ndarray, mem: np.ndarray,
+                  times: np.ndarray | None = None) -> np.ndarray:
+    """Move placement units off over-full devices (additive memory ``mem`` per node) until every device
+    fits or nothing can move: repeatedly take the over-full device's unit with the most memory per unit
+    of time and put it on the allowed device with the most free memory that can take it. Returns the new
+    assignment (a copy)."""
+    device = np.asarray(device, dtype=np.int64).copy()
+    cap = np.array([d.memory_bytes for d in topology.devices])
+    allowed = allowed_devices(graph, topology)
+    unit, members = units(graph)
+    umem = np.array([mem[m].sum() for m in members])
+    utime = np.array([(times[m].min(axis=1).sum() if times is not None else 1.0) for m in members]) + 1e-30
+    uallowed = np.array([allowed[m].all(axis=0) for m in members])
+    udev = np.array([device[m[0]] for m in members])
+    used = np.bincount(udev, weights=umem, minlength=topology.num_devices)
+    for _ in range(4 * len(members)):
+        over = np.flatnonzero(used > cap)
+        if over.size == 0:
+            break
+        d = int(over[np.argmax(used[over] - cap[over])])
+        cand = np.flatnonzero(udev == d)
+        moved = False
+        for u in cand[np.argsort(-umem[cand] / utime[cand], kind="stable")]:
+            free = cap - used
+            free[d] = -np.inf
+            ok = np.flatnonzero(uallowed[u] & (free >= umem[u]))
+            if ok.size:
+                t = int(ok[np.argmax(free[ok])])
+                used[d] -= umem[u]
+                used[t] += umem[u]
+                udev[u] = t
+                moved = True
+                break
+        if not moved:
+            break
+    for u, m in enumerate(members):
+        device[m] = udev[u]
+    return device

@@ -1,0 +1,279 @@
+"""Search placers over the full plan space: random search and simulated annealing (MCMC).
+
+The space: every placement unit (a co-location class or a lone node) gets a device group (a single
+device, or a group aligned with the topology's hierarchy) and a layout its members allow (single,
+batch split, Megatron column/row split with a data-parallel degree, replicate); globally, microbatch
+count, schedule (GPipe / 1F1B) and activation recomputation.
+
+- :func:`random_search` samples plans (half of them structured: random contiguous stages, each with a
+  random group and parallelism scheme; half unstructured: a random group and layout per unit) and keeps
+  the best by the simulator (Bergstra & Bengio, "Random Search for Hyper-Parameter Optimization", JMLR
+  2012, as the standard search baseline).
+- :func:`mcmc` is FlexFlow's execution-optimiser search (Jia, Zaharia & Aiken, "Beyond Data and Model
+  Parallelism for Deep Neural Networks", MLSys 2019, Sec. 5): Metropolis-Hastings over plans with the
+  simulator as cost, started from the best fast heuristic. Moves: change one unit's group/layout;
+  change a contiguous block of units (topological order) to one group and parallelism scheme; change
+  the microbatch count, schedule or recomputation. A proposal is accepted with probability
+  ``min(1, exp(-(E' - E) / T))`` for energy ``E = log(score) + overflow penalty``; the temperature
+  ``T_k = T0 * 2^(-k / HALF_LIFE)`` depends only on the evaluation count ``k``, never on the budget, so
+  for one seed a larger budget extends the same trajectory and is never worse.
+
+Both are deterministic for a seed (numpy ``Generator(seed)``) under an evaluation budget; under a
+wall-clock budget they follow the same trajectory and stop wherever the clock does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from agent.placers.common import (
+    Budget,
+    Outcome,
+    PlacerError,
+    Scorer,
+    allowed_devices,
+    divisors,
+    finish,
+    layout_ok,
+    plan_defaults,
+    units,
+)
+from envs.graph import OpGraph
+from envs.plan import Plan, megatron_layouts
+from envs.topology import Topology
+
+DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=600)
+T0 = 0.05
+HALF_LIFE = 150.0
+OOM_PENALTY = 2.0
+
+
+class _Space:
+    """Candidate groups and layouts of one (graph, topology)."""
+
+    def __init__(self, graph: OpGraph, topology: Topology):
+        self.graph, self.topology = graph, topology
+        self.unit, self.members = units(graph)
+        self.nu = len(self.members)
+        allowed = allowed_devices(graph, topology)
+        self.uallowed = np.array([allowed[m].all(axis=0) for m in self.members])
+        groups = [(d,) for d in range(topology.num_devices)] + topology.hierarchy_groups()
+        self.groups = list(dict.fromkeys(tuple(sorted(g)) for g in groups))
+        self.mega = megatron_layouts(graph)
+        self.kw = plan_defaults(graph)
+        self.batch = graph.batch_size
+
+    def unit_groups(self, u: int) -> list[tuple[int, ...]]:
+        return [g for g in self.groups if self.uallowed[u, list(g)].all()]
+
+    def unit_options(self, u: int, g: tuple[int, ...], scheme: str | None = None) -> list[tuple[str, int]]:
+        """(layout, dp) options for unit ``u`` on group ``g`` (restricted to ``scheme`` if given:
+        'batch', 'tensor', 'replicate')."""
+        k = len(g)
+        nodes = self.members[u].tolist()
+        if k == 1:
+            return [("single", 1)]
+        opts: list[tuple[str, int]] = []
+        if scheme in (None, "batch") and all(layout_ok(self.graph, v, "batch_split", k, k) for v in nodes):
+            opts.append(("batch_split", k))
+        if scheme in (None, "tensor", "replicate"):
+            lays = ["replicate"] if scheme == "replicate" else list(dict.fromkeys(self.mega[v] for v in nodes))
+            if scheme is None:
+                lays = list(dict.fromkeys([*lays, "replicate"]))
+            for lay in lays:
+                for dp in divisors(k):
+                    if dp == k and lay != "replicate":
+                        continue
+                    if all(layout_ok(self.graph, v, lay, k, dp) for v in nodes):
+                        opts.append((lay, dp))
+        return opts
+
+    def assign(self, groups, layouts, dps, u: int, g: tuple[int, ...], lay: str, dp: int) -> None:
+        for v in self.members[u].tolist():
+            groups[v], layouts[v], dps[v] = g, lay, dp
+
+
+def _mb_choices(batch: int) -> list[int]:
+    return divisors(batch)
+
+
+def random_plan(space: _Space, rng: np.random.Generator) -> Plan:
+    """One random plan from the search space (see module docstring)."""
+    g_n = space.graph.num_nodes
+    groups: list[tuple[int, ...]] = [()] * g_n
+    layouts = ["single"] * g_n
+    dps = np.ones(g_n, dtype=np.int64)
+    ms = _mb_choices(space.batch)
+    m = int(ms[rng.integers(len(ms))])
+    structured = rng.random() < 0.5
+    if structured:
+        k = int(rng.integers(1, min(space.topology.num_devices, space.nu) + 1))
+        cuts = np.sort(rng.choice(np.arange(1, space.nu), size=k - 1, replace=False)) if k > 1 else np.array([], int)
+        bounds = [0, *cuts.tolist(), space.nu]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            scheme = ("batch", "tensor", "replicate")[int(rng.integers(3))]
+            cand = space.unit_groups(a)
+            g = cand[int(rng.integers(len(cand)))]
+            dp_pick = None
+            for u in range(a, b):
+                gg = g if space.uallowed[u, list(g)].all() else space.unit_groups(u)[0]
+                opts = space.unit_options(u, gg, scheme) or space.unit_options(u, gg) or [("single", 1)]
+                if opts == [("single", 1)] and len(gg) > 1:
+                    gg = (gg[0],)
+                pick = opts[0] if dp_pick is None else min(opts, key=lambda o: abs(o[1] - dp_pick))
+                if dp_pick is None:
+                    pick = opts[int(rng.integers(len(opts)))]
+                    dp_pick = pick[1]
+                space.assign(groups, layouts, dps, u, gg, *pick)
+    else:
+        for u in range(space.nu):
+            cand = space.unit_groups(u)
+            g = cand[int(rng.integers(len(cand)))]
+            opts = space.unit_options(u, g) or [("single", 1)]
+            if opts == [("single", 1)] and len(g) > 1:
+                g = (g[0],)
+            space.assign(groups, layouts, dps, u, g, *opts[int(rng.integers(len(opts)))])
+    rc = bool(rng.random() < 0.25)
+    sched = ("1f1b", "gpipe")[int(rng.integers(2))]
+    return Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched,
+                recompute=np.full(g_n, rc), **space.kw)
+
+
+def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None,
+                  objective: str = "step_time") -> Plan:
+    """Random search (see module docstring) under ``budget`` (default 600 evaluations / 60 s)."""
+    scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
+    space = _Space(graph, topology)
+    rng = np.random.default_rng(seed)
+    best: tuple[Outcome, Plan] | None = None
+    tries = 0
+    while not scorer.exhausted() and tries < 50 * (scorer.budget.evaluations or 10**6):
+        tries += 1
+        plan = random_plan(space, rng)
+        out = scorer(plan)
+        if out is not None and (best is None or out.key() < best[0].key()):
+            best = (out, plan)
+    if best is None:
+        raise PlacerError("random_search found no valid plan")
+    return finish(best[1], "random_search", seed, scorer)
+
+
+# ---------------------------------------------------------------------- MCMC
+def energy(out: Outcome) -> float:
+    e = math.log(max(out.score, 1e-30))
+    if out.oom:
+        e += OOM_PENALTY + 10.0 * max(0.0, out.overflow - 1.0)
+    return e
+
+
+def _propose(space: _Space, plan: Plan, rng: np.random.Generator) -> Plan | None:
+    groups, layouts, dps = list(plan.groups), list(plan.layouts), plan.dp.copy()
+    m, sched, rc = plan.microbatches, plan.schedule, bool(plan.recompute.any())
+    r = rng.random()
+    if r < 0.4:  # one unit
+        u = int(rng.integers(space.nu))
+        cand = space.unit_groups(u)
+        g = cand[int(rng.integers(len(cand)))]
+        opts = space.unit_options(u, g)
+        if not opts:
+            return None
+        space.assign(groups, layouts, dps, u, g, *opts[int(rng.integers(len(opts)))])
+    elif r < 0.75:  # a contiguous block
+        length = int(min(space.nu, 1 + rng.geometric(4.0 / max(space.nu, 4))))
+        a = int(rng.integers(0, space.nu - length + 1))
+        b = a + length
+        if rng.random() < 0.5 and (a > 0 or b < space.nu):
+            nb = a - 1 if (a > 0 and (b >= space.nu or rng.random() < 0.5)) else b
+            v = int(space.members[nb][0])
+            g = groups[v]
+            scheme = {"batch_split": "batch", "replicate": "replicate"}.get(layouts[v], "tensor")
+            dp_want = int(dps[v])
+        else:
+            cand = space.unit_groups(a)
+            g = cand[int(rng.integers(len(cand)))]
+            scheme = ("batch", "tensor", "replicate")[int(rng.integers(3))]
+            dp_want = None
+        for u in range(a, b):
+            if not space.uallowed[u, list(g)].all():
+                return None
+            opts = space.unit_options(u, g, scheme) or space.unit_options(u, g)
+            if not opts:
+                return None
+            if dp_want is None:
+                dp_want = opts[int(rng.integers(len(opts)))][1]
+            space.assign(groups, layouts, dps, u, g, *min(opts, key=lambda o: abs(o[1] - dp_want)))
+    else:  # global knobs
+        s = rng.random()
+        if s < 0.6:
+            ms = _mb_choices(space.batch)
+            i = ms.index(m)
+            j = int(np.clip(i + (1 if rng.random() < 0.5 else -1), 0, len(ms) - 1))
+            if j == i:
+                return None
+            m = ms[j]
+        elif s < 0.8:
+            sched = "gpipe" if sched == "1f1b" else "1f1b"
+        else:
+            rc = not rc
+    return Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched,
+                recompute=np.full(space.graph.num_nodes, rc), **space.kw)
+
+
+def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) -> Plan:
+    """Best of the fast heuristics (single device, data parallel, GPipe split, a short Megatron
+    enumeration, the pipeline DP, METIS), each with a fixed small evaluation budget."""
+    from agent.placers.partition import metis
+    from agent.placers.pipedream import pipedream
+    from agent.placers.simple import data_parallel, single_device
+    from agent.placers.templates import expert_split, megatron_3d
+
+    best: Plan | None = None
+    for fn, b in ((single_device, 12), (data_parallel, 12), (expert_split, 24), (megatron_3d, 48), (pipedream, 24),
+                  (metis, 8)):
+        try:
+            p = fn(graph, topology, seed=seed, budget=Budget(evaluations=b), objective=objective)
+        except PlacerError:
+            continue
+        pr = p.provenance
+        key = (int(pr["oom"]), pr["predicted_step_time"])
+        if best is None or key < (int(best.provenance["oom"]), best.provenance["predicted_step_time"]):
+            best = p
+    if best is None:
+        raise PlacerError("no heuristic produced a starting plan")
+    return best
+
+
+def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, objective: str = "step_time",
+         start: Plan | None = None) -> Plan:
+    """Simulated annealing / MCMC over plans (see module docstring) under ``budget`` (default 600
+    evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``)."""
+    init = start if start is not None else initial_plan(graph, topology, objective, seed)
+    scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
+    space = _Space(graph, topology)
+    rng = np.random.default_rng(seed)
+    cur = init.copy(provenance={})
+    cur_out = scorer(cur)
+    if cur_out is None:
+        raise PlacerError("mcmc: the starting plan is not valid")
+    cur_e = energy(cur_out)
+    best, best_out = cur, cur_out
+    accepted = proposals = 0
+    while not scorer.exhausted() and proposals < 50 * (scorer.budget.evaluations or 10**6):
+        proposals += 1
+        cand = _propose(space, cur, rng)
+        if cand is None:
+            continue
+        out = scorer(cand)
+        if out is None:
+            continue
+        e = energy(out)
+        temp = max(T0 * 2.0 ** (-scorer.evaluations / HALF_LIFE), 1e-4)
+        if e <= cur_e or rng.random() < math.exp(-(e - cur_e) / temp):
+            cur, cur_out, cur_e = cand, out, e
+            accepted += 1
+        if out.key() < best_out.key():
+            best, best_out = cand, out
+    return finish(best, "mcmc", seed, scorer, start=init.provenance.get("placer", "given"),
+                  start_step_time=init.provenance.get("predicted_step_time"), accepted=accepted)

@@ -1,0 +1,137 @@
+"""Placers: valid plans with provenance, constraints respected, known optima found, determinism."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from agent.placers import PLACERS, PlacerError, run_placer
+from agent.placers.common import Budget, score
+from envs.examples import transformer_graph
+from envs.graph import OpGraph, chain_graph
+from envs.presets import preset
+from envs.simulator import simulate
+from envs.topology import Device, Link, Topology
+
+SMALL = {"seed": 0, "budget": Budget(evaluations=12, seconds=10.0)}
+
+
+def two_devices(memory: float = 80e9) -> Topology:
+    devs = [Device(f"g{i}", "gpu", {"bf16": 100e12}, memory, 1e12, launch_overhead=1e-6) for i in range(2)]
+    links = [Link("g0", "sw", bandwidth=10e9), Link("g1", "sw", bandwidth=10e9)]
+    return Topology(devs, links, ["sw"], name="two")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt() -> OpGraph:
+    return transformer_graph(layers=2, hidden=256, heads=4, seq=128, vocab=1000, batch=4)
+
+
+def colocated_graph() -> OpGraph:
+    """Forward + backward nodes with co-location classes and one CPU-only node (dnn-partitioning style)."""
+    g = chain_graph(6, flops=1e10, param_bytes=1e6, act_bytes=1e5)
+    col = np.array([0, 1, 2, 2, 1, 0])
+    return OpGraph(names=g.names, kinds=g.kinds, fwd_flops=g.fwd_flops, param_bytes=g.param_bytes,
+                   out_bytes=g.out_bytes, edge_src=g.edge_src, edge_dst=g.edge_dst, edge_bytes=g.edge_bytes,
+                   colocation=col, batch_size=4, module_paths=g.module_paths, meta={"cpu_only": [3]})
+
+
+PROVENANCE = {"placer", "seed", "predicted_step_time", "peak_memory", "oom", "objective"}
+
+
+@pytest.mark.parametrize("name", list(PLACERS))
+def test_every_placer_returns_a_valid_plan(name, tiny_gpt):
+    for topo, obj in ((preset("pcie-4gpu"), "step_time"), (preset("hetero"), "throughput")):
+        plan = run_placer(name, tiny_gpt, topo, objective=obj, **SMALL)
+        plan.validate(tiny_gpt, topo)
+        assert PROVENANCE <= set(plan.provenance)
+        assert plan.provenance["placer"] == name
+        rep = simulate(tiny_gpt, topo, plan, obj, timeline=False)
+        assert plan.provenance["predicted_step_time"] == pytest.approx(score(rep.step_time, plan, obj))
+
+
+@pytest.mark.parametrize("name", list(PLACERS))
+def test_colocation_and_cpu_only_respected(name):
+    g = colocated_graph()
+    topo = preset("hetero")
+    plan = run_placer(name, g, topo, **SMALL)
+    plan.validate(g, topo)  # checks the co-location classes
+    assert plan.groups[0] == plan.groups[5] and plan.groups[1] == plan.groups[4]
+    assert all(topo.devices[d].kind == "cpu" for d in plan.groups[3])
+    assert plan.groups[2] == plan.groups[3]
+
+
+def test_unknown_placer_and_bad_budget(tiny_gpt):
+    with pytest.raises(PlacerError):
+        run_placer("nope", tiny_gpt, preset("pcie-4gpu"))
+    with pytest.raises(PlacerError):
+        run_placer("mcmc", tiny_gpt, preset("pcie-4gpu"), budget={"minutes": 1})
+    with pytest.raises(PlacerError):
+        run_placer("single_device", tiny_gpt, preset("pcie-4gpu"), objective="speed")
+
+
+def test_single_device_picks_a_device_that_fits():
+    g = transformer_graph(layers=24, hidden=2048, seq=512, batch=8)  # ~1.3B params: 21 GB of Adam state
+    topo = preset("hetero")  # A100 80 GB fits, the T4s (16 GB) do not
+    plan = run_placer("single_device", g, topo, **SMALL)
+    assert not plan.provenance["oom"]
+    assert topo.devices[plan.groups[0][0]].kind == "a100-80g"
+
+
+def brute_force_chain() -> tuple[OpGraph, Topology, float]:
+    """4 ops on 2 devices, single layouts only; one device holds only two ops' states."""
+    g = chain_graph(4, flops=2e12, param_bytes=1e9, act_bytes=5e7, batch_size=1)
+    g = OpGraph(names=g.names, kinds=g.kinds, fwd_flops=np.array([2e12, 1e12, 3e12, 2e12]), param_bytes=g.param_bytes,
+                out_bytes=g.out_bytes, edge_src=g.edge_src, edge_dst=g.edge_dst, edge_bytes=g.edge_bytes,
+                layout_caps=np.zeros(4, dtype=np.int64), batch_size=1, module_paths=g.module_paths)
+    topo = two_devices(memory=2 * 8e9 + 1e9)  # 8 GB of Adam state per op: two ops per device
+    from agent.placers.common import assignment_plan
+
+    best = np.inf
+    for assign in itertools.product(range(2), repeat=4):
+        p = assignment_plan(g, topo, list(assign))
+        r = simulate(g, topo, p, timeline=False)
+        if not r.is_oom:
+            best = min(best, r.step_time)
+    return g, topo, best
+
+
+def test_exact_placers_find_the_brute_force_optimum():
+    g, topo, best = brute_force_chain()
+    assert np.isfinite(best)
+    dp = run_placer("pipedream", g, topo, seed=0)
+    assert not dp.provenance["oom"]
+    assert dp.provenance["predicted_step_time"] <= best * (1 + 1e-9)
+    mc = run_placer("mcmc", g, topo, seed=0, budget=Budget(evaluations=60))
+    assert not mc.provenance["oom"]
+    assert mc.provenance["predicted_step_time"] <= best * (1 + 1e-9)
+
+
+def test_mcmc_larger_budget_never_worse(tiny_gpt):
+    topo = preset("pcie-4gpu")
+    for seed in (0, 1):
+        small = run_placer("mcmc", tiny_gpt, topo, seed=seed, budget=Budget(evaluations=15))
+        large = run_placer("mcmc", tiny_gpt, topo, seed=seed, budget=Budget(evaluations=45))
+        ks = (small.provenance["oom"], small.provenance["predicted_step_time"])
+        kl = (large.provenance["oom"], large.provenance["predicted_step_time"])
+        assert kl <= ks
+
+
+@pytest.mark.parametrize("name", ["random_search", "mcmc", "metis"])
+def test_deterministic_for_a_seed(name, tiny_gpt):
+    topo = preset("dgx1-v100")
+    a = run_placer(name, tiny_gpt, topo, seed=3, budget=Budget(evaluations=20))
+    b = run_placer(name, tiny_gpt, topo, seed=3, budget=Budget(evaluations=20))
+    assert a.key() == b.key()
+    assert a.provenance["predicted_step_time"] == b.provenance["predicted_step_time"]
+
+
+def test_megatron_beats_single_device_on_a_big_transformer():
+    g = transformer_graph(layers=8, hidden=2048, seq=1024, batch=8)
+    topo = preset("dgx-a100-80g")
+    single = run_placer("single_device", g, topo)
+    mega = run_placer("megatron_3d", g, topo, budget=Budget(evaluations=60))
+    assert mega.provenance["predicted_step_time"] < single.provenance["predicted_step_time"] / 2
+    assert set(mega.provenance["config"]) >= {"tp", "pp", "dp", "microbatch_size", "schedule", "recompute"}
