@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "agent.commands.import_cmd",
     "agent.commands.profile",
     "agent.commands.bench",
+    "agent.commands.run",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

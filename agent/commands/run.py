@@ -1,0 +1,65 @@
+"""`rlplace run plan.json --model SPEC`: execute a plan's training step for real and measure it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt_time(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def run_cmd(
+    plan: str = typer.Argument(..., help="plan JSON file (made for the graph of --model)"),
+    model: str = typer.Option(..., "--model", "-m", help="model spec, e.g. gpt:layers=2,hidden=64 or file.py:build_fn"),
+    steps: int = typer.Option(5, "--steps", help="timed training steps"),
+    warmup: int = typer.Option(1, "--warmup", help="untimed warm-up steps before them"),
+    backend: str = typer.Option(None, "--backend", help="gloo (CPU) or nccl (CUDA); default nccl if CUDA is present"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (the reference check is tightest in fp32)"),
+    seed: int = typer.Option(0, "--seed", help="seed of the weights and the synthetic data"),
+    timeout: float = typer.Option(300.0, "--timeout", help="seconds the local workers may run in all"),
+    no_check: bool = typer.Option(False, "--no-check", help="skip the single-process reference loss check"),
+    check_steps: int = typer.Option(2, "--check-steps", help="steps whose loss must match the reference (0: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Run WARMUP + STEPS training steps of the plan with torch.distributed (local workers, or this rank
+    under torchrun); report the median step time, peak memory per rank and the loss against a
+    single-process reference. Exit 1 when the loss does not match or a worker fails, 2 on bad input."""
+    from profilers.execute import WorkerError, execute_plan
+
+    try:
+        report = execute_plan(plan, model, steps, warmup=warmup, backend=backend, seed=seed, dtype=dtype,
+                              check=not no_check, check_steps=check_steps, timeout_s=timeout)
+    except WorkerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
+        return
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        con = Console(width=160)
+        con.print(f"[bold]{model}[/bold]: pp={report.pp} dp={report.dp} tp={report.tp}, "
+                  f"{report.microbatches} microbatch(es)" + (f", {report.schedule}" if report.pp > 1 else "")
+                  + f", {report.backend}, {len(report.step_times)} timed step(s) after {report.warmup} warm-up")
+        t = Table()
+        for c in ("median step", "min step", "max step", "peak memory / rank", "loss", "reference", "match"):
+            t.add_column(c)
+        mem = ", ".join(f"{m / 2**20:.0f} MiB" for m in report.peak_memory_per_rank)
+        ref = "-" if report.reference_loss is None else f"{report.reference_loss:.6g}"
+        match = {None: "-", True: "yes", False: "NO"}[report.loss_matches]
+        t.add_row(_fmt_time(report.median_step_time_s), _fmt_time(min(report.step_times)),
+                  _fmt_time(max(report.step_times)), mem, f"{report.loss:.6g}", ref, match)
+        con.print(t)
+    if report.loss_matches is False:
+        typer.echo("error: the loss does not match the single-process reference", err=True)
+        raise SystemExit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run_cmd)

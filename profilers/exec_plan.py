@@ -1,0 +1,471 @@
+"""Translate a Plan into what ``profilers.execute`` runs: blocks, pipeline stages, rank mesh, TP styles.
+
+A model is executed as a chain of **blocks** (its top-level sequence: for ``gpt`` and ``moe`` the
+embeddings, each ``layers.N`` and the final norm + head; for ``mlp`` each ``layers.N`` and ``head``;
+for ``bert`` the embeddings, each layer and the pooler; for ``resnet`` each layer of the stem, each
+residual block ``stages.S.B`` and the pooling head; for a top-level ``nn.Sequential`` (e.g. a
+``file.py:build_fn`` spec) its children). Other models (``gnmt``, ``inception``, ``unet``) are
+refused. Graph nodes are
+mapped to blocks through their module paths (nodes without one, e.g. a top-level ``add`` or an
+input, belong to the block of the node before them in topological order, or the first block).
+
+Which plans run (everything else is refused with an :class:`ExecutionError` that says why):
+
+* **stages**: the plan's pipeline stages (``Plan.stages``: distinct device groups in topological
+  order) must cut only *between* blocks, each block on one stage, stages in block order, and no
+  device in two stages. ``pp`` = number of stages.
+* **every stage has the same shape** ``dp x tp`` (the same group size and data-parallel degree for
+  all its nodes); ranks form a ``(pp, dp, tp)`` mesh, rank ``s*dp*tp + r*tp + t`` running device
+  ``group_s[r*tp + t]`` of stage ``s`` (the plan's dp-major order).
+* **data parallel** (``dp > 1``, ``tp == 1``): each replica gets a contiguous ``batch / dp`` slice
+  of the global batch; DDP over the replicas without pipeline stages, and with them one flat
+  gradient all-reduce per stage over its replicas after the pipeline schedule.
+* **tensor parallel** (``tp > 1``, ``dp == 1``): DTensor ``parallelize_module`` on the stage's
+  blocks. ``col_split`` / ``row_split`` on nodes with weights need an ``nn.Linear`` (or
+  ``nn.Embedding``) at the node's module path, with the split dimension divisible by ``tp``;
+  weightless ``col_split`` nodes must be elementwise activations between a column and a row split,
+  or the attention core of ``profilers.zoo.SelfAttention`` (``qkv`` col, ``out`` row; heads
+  divisible by tp; the executor regroups ``qkv``'s rows so each rank holds whole heads). A column
+  split whose consumers (after elementwise col_split ops) are not split is gathered right away
+  (``output_layouts=Replicate``; the elementwise ops then run replicated); a row split fed
+  by a replicated tensor shards it first (``input_layouts=Replicate``). Sharded tensors never cross
+  a pipeline-stage boundary. Everything else runs replicated.
+* ``dp > 1`` together with ``tp > 1`` in one stage is refused (no 2-D DDP x TP).
+* **pipeline** (``pp > 1``): ``torch.distributed.pipelining`` ``PipelineStage`` +
+  ``ScheduleGPipe`` / ``Schedule1F1B`` with the plan's microbatches (1F1B needs
+  ``microbatches >= pp``). With ``pp == 1`` microbatches are gradient-accumulation steps.
+* **recompute**: a block is recomputed (``torch.utils.checkpoint``) when any of its nodes is marked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from envs.errors import RlplaceError
+
+if TYPE_CHECKING:  # workers import this module: keep it light (no networkx through envs.graph)
+    from envs.graph import OpGraph
+    from envs.plan import Plan
+
+ELEMENTWISE_KINDS = frozenset({"relu", "gelu", "silu", "tanh", "sigmoid", "act", "dropout"})
+
+
+class ExecutionError(RlplaceError):
+    """A plan cannot be executed as such, or its execution failed (the message says which and why)."""
+
+
+class WorkerError(ExecutionError):
+    """A worker process crashed, hung past its timeout, or exited abnormally; ``worker_traceback``
+    holds the failing worker's traceback when it left one."""
+
+    def __init__(self, message: str, worker_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.worker_traceback = worker_traceback
+
+
+# ---------------------------------------------------------------------------- blocks
+class Chain(nn.Module):
+    """Blocks run one after the other; the first may take several inputs, the rest take one."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](*args)
+        for b in self.blocks[1:]:
+            x = b(x)
+        return x
+
+
+class Recompute(nn.Module):
+    """Activation recomputation of one block (non-reentrant ``torch.utils.checkpoint``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+class _GPTEmbed(nn.Module):
+    def __init__(self, wte: nn.Module, wpe: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class _BERTEmbed(nn.Module):
+    def __init__(self, tok: nn.Module, pos: nn.Module, typ: nn.Module, ln: nn.Module) -> None:
+        super().__init__()
+        self.tok, self.pos, self.typ, self.ln = tok, pos, typ, ln
+
+    def forward(self, idx: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)) + self.typ(types))
+
+
+class _BERTPool(nn.Module):
+    def __init__(self, pooler: nn.Module) -> None:
+        super().__init__()
+        self.pooler = pooler
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.pooler(x[:, 0]))
+
+
+class _MLPLayer(nn.Module):
+    def __init__(self, layer: nn.ModuleDict) -> None:
+        super().__init__()
+        self.fc, self.act = layer["fc"], layer["act"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class _ResNetHead(nn.Module):
+    def __init__(self, pool: nn.Module, fc: nn.Module) -> None:
+        super().__init__()
+        self.pool, self.fc = pool, fc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+@dataclass
+class Block:
+    """One block of the model's top-level sequence and the module-path prefixes it owns."""
+
+    name: str
+    module: nn.Module
+    prefixes: tuple[str, ...]
+
+
+def decompose(model: nn.Module) -> tuple[list[Block], list[int | None]]:
+    """The model as a chain of blocks (same forward as ``model``), plus for each model input the
+    exclusive upper bound of its integer values (``None``: a float input)."""
+    from profilers import zoo
+
+    if isinstance(model, zoo.GPT):
+        blocks = [Block("embed", _GPTEmbed(model.wte, model.wpe), ("wte", "wpe"))]
+        blocks += [Block(f"layers.{i}", m, (f"layers.{i}",)) for i, m in enumerate(model.layers)]
+        blocks.append(Block("head", nn.Sequential(model.ln_f, model.lm_head), ("ln_f", "lm_head")))
+        return blocks, [model.wte.num_embeddings]
+    if isinstance(model, zoo.BERT):
+        blocks = [Block("embed", _BERTEmbed(model.tok, model.pos, model.typ, model.ln_emb),
+                        ("tok", "pos", "typ", "ln_emb"))]
+        blocks += [Block(f"layers.{i}", m, (f"layers.{i}",)) for i, m in enumerate(model.layers)]
+        blocks.append(Block("pooler", _BERTPool(model.pooler), ("pooler",)))
+        return blocks, [model.tok.num_embeddings, 1]
+    if isinstance(model, zoo.MLP):
+        blocks = [Block(f"layers.{i}", _MLPLayer(m), (f"layers.{i}",)) for i, m in enumerate(model.layers)]
+        blocks.append(Block("head", model.head, ("head",)))
+        return blocks, [None]
+    if isinstance(model, zoo.ResNet):
+        blocks = [Block(f"stem.{i}", m, (f"stem.{i}",)) for i, m in enumerate(model.stem)]
+        for s, stage in enumerate(model.stages):
+            blocks += [Block(f"stages.{s}.{b}", m, (f"stages.{s}.{b}",)) for b, m in enumerate(stage)]
+        blocks.append(Block("head", _ResNetHead(model.pool, model.fc), ("pool", "fc")))
+        return blocks, [None]
+    if isinstance(model, nn.Sequential):
+        return [Block(name, m, (name,)) for name, m in model.named_children()], [None]
+    raise ExecutionError(f"cannot execute a {type(model).__name__}: the executor knows the block sequence of "
+                         "zoo gpt, bert, mlp, resnet and of top-level nn.Sequential models")
+
+
+def node_blocks(graph: OpGraph, blocks: list[Block]) -> np.ndarray:
+    """Block index of every graph node, by module path prefix (see the module docstring)."""
+    out = np.full(graph.num_nodes, -1, dtype=np.int64)
+    prev = 0
+    for v in graph.topological_order().tolist():
+        path = graph.module_paths[v]
+        hit = -1
+        if graph.kinds[v] != "input" and path:
+            for b, blk in enumerate(blocks):
+                if any(path == p or path.startswith(p + ".") for p in blk.prefixes):
+                    hit = b
+                    break
+        out[v] = hit if hit >= 0 else (prev if graph.kinds[v] != "input" else 0)
+        prev = int(out[v])
+    return out
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclass
+class StageLayout:
+    """One pipeline stage: its plan device group, blocks, and tensor-parallel styles."""
+
+    index: int
+    devices: tuple[int, ...]
+    blocks: list[int]
+    recompute: list[int] = field(default_factory=list)
+    # module path -> style: "col" (sharded output), "col_gather", "row" (sharded input), "row_rep"
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)  # SelfAttention paths with whole heads per rank
+
+
+@dataclass
+class ExecLayout:
+    """How a plan runs: ``pp x dp x tp`` ranks, its stages, microbatches and schedule."""
+
+    pp: int
+    dp: int
+    tp: int
+    stages: list[StageLayout]
+    microbatches: int
+    schedule: str
+    batch: int
+    num_blocks: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(stage, dp replica, tp rank)`` of a global rank."""
+        s, rest = divmod(rank, self.dp * self.tp)
+        r, t = divmod(rest, self.tp)
+        return s, r, t
+
+    def plan_device(self, rank: int) -> int:
+        s, r, t = self.coords(rank)
+        return self.stages[s].devices[r * self.tp + t]
+
+    def describe(self) -> str:
+        parts = [f"pp={self.pp} dp={self.dp} tp={self.tp}", f"{self.microbatches} microbatch(es)"]
+        if self.pp > 1:
+            parts.append(self.schedule)
+        return ", ".join(parts)
+
+
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path) if path else None
+    except AttributeError:
+        return None
+
+
+def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
+    """Check that ``plan`` (for ``graph``, traced from ``model``) can run, and say how."""
+    if plan.num_nodes != graph.num_nodes:
+        raise ExecutionError(f"the plan has {plan.num_nodes} nodes but the model's graph {graph.name!r} has "
+                             f"{graph.num_nodes}: the plan was made for a different model")
+    batch = plan.batch(graph)
+    m = plan.microbatches
+    if m < 1 or batch % m:
+        raise ExecutionError(f"global batch {batch} does not split into {m} microbatches")
+    blocks, _ = decompose(model)
+    nb = node_blocks(graph, blocks)
+    stage_of, pp = plan.stages(graph)
+    # each block on one stage, stages in block order
+    block_stage = np.full(len(blocks), -1, dtype=np.int64)
+    for v in range(graph.num_nodes):
+        b, s = int(nb[v]), int(stage_of[v])
+        if block_stage[b] >= 0 and block_stage[b] != s:
+            others = [graph.names[u] for u in range(graph.num_nodes) if nb[u] == b and stage_of[u] != s][:3]
+            raise ExecutionError(f"the plan cuts inside block {blocks[b].name!r} (node {graph.names[v]!r} on "
+                                 f"stage {s}, {', '.join(repr(o) for o in others)} on stage {block_stage[b]}); the "
+                                 "executor splits pipeline stages only between blocks: "
+                                 + ", ".join(blk.name for blk in blocks))
+        block_stage[b] = s
+    for b in range(len(blocks)):  # a block no node maps to rides with the block before it
+        if block_stage[b] < 0:
+            block_stage[b] = block_stage[b - 1] if b else 0
+    if np.any(np.diff(block_stage) < 0) or len(set(block_stage.tolist())) != pp:
+        raise ExecutionError(f"the plan's stages are not contiguous in block order (block -> stage: "
+                             f"{dict(zip((blk.name for blk in blocks), block_stage.tolist()))}); the executor "
+                             "runs only linear pipelines")
+    groups: list[tuple[int, ...]] = [()] * pp
+    for v in range(graph.num_nodes):
+        groups[int(stage_of[v])] = plan.groups[v]
+    seen: dict[int, int] = {}
+    for s, g in enumerate(groups):
+        for d in g:
+            if d in seen:
+                raise ExecutionError(f"device {d} serves pipeline stages {seen[d]} and {s}; the executor needs "
+                                     "disjoint device groups per stage")
+            seen[d] = s
+    dps = {int(plan.dp[v]) for v in range(graph.num_nodes)}
+    sizes = {len(g) for g in groups}
+    if len(dps) != 1 or len(sizes) != 1:
+        raise ExecutionError(f"stages differ in shape (group sizes {sorted(sizes)}, dp degrees {sorted(dps)}); the "
+                             "executor needs the same dp x tp on every stage and node")
+    dp = dps.pop()
+    width = sizes.pop()
+    tp = width // dp
+    if dp > 1 and tp > 1:
+        raise ExecutionError(f"dp={dp} combined with tp={tp} in one stage is not supported by the executor "
+                             "(pure data or pure tensor parallelism per stage)")
+    if (batch // m) % dp:
+        raise ExecutionError(f"microbatch of {batch // m} samples does not split over dp={dp}")
+    if pp > 1 and plan.schedule == "1f1b" and m < pp:
+        raise ExecutionError(f"1f1b needs at least as many microbatches as stages ({m} < {pp}); use gpipe or more "
+                             "microbatches")
+    if plan.schedule not in ("gpipe", "1f1b"):
+        raise ExecutionError(f"unknown schedule {plan.schedule!r}")
+    stages = [StageLayout(s, groups[s], [b for b in range(len(blocks)) if block_stage[b] == s]) for s in range(pp)]
+    for b in range(len(blocks)):
+        if any(plan.recompute[v] for v in range(graph.num_nodes) if nb[v] == b):
+            stages[int(block_stage[b])].recompute.append(b)
+    if tp > 1:
+        _tensor_parallel(plan, graph, model, nb, stage_of, stages, tp)
+    else:
+        bad = [v for v in range(graph.num_nodes) if plan.layouts[v] in ("col_split", "row_split") and width > 1]
+        if bad:
+            raise ExecutionError(f"node {graph.names[bad[0]]!r} is {plan.layouts[bad[0]]} but its stage has tp=1")
+    return ExecLayout(pp=pp, dp=dp, tp=tp, stages=stages, microbatches=m, schedule=plan.schedule, batch=batch,
+                      num_blocks=len(blocks))
+
+
+def _tensor_parallel(plan: Plan, graph: OpGraph, model: nn.Module, nb: np.ndarray, stage_of: np.ndarray,
+                     stages: list[StageLayout], tp: int) -> None:
+    """Fill ``tp_styles`` / ``attention`` of each stage, refusing layouts DTensor TP cannot express."""
+    from profilers.zoo import SelfAttention
+
+    n = graph.num_nodes
+    pred = [graph.predecessors(v).tolist() for v in range(n)]
+    succ = [graph.successors(v).tolist() for v in range(n)]
+    lay = plan.layouts
+    sharded = [lay[v] == "col_split" for v in range(n)]
+    weighted = [graph.param_bytes[v] > 0 for v in range(n)]
+    gathered: set[int] = set()  # elementwise col_split ops that run on a gathered (replicated) tensor
+
+    def region(v: int) -> tuple[set[int], set[int]]:
+        """Weightless elementwise col_split ops downstream of ``v``, and the ops they (and v) feed."""
+        inside: set[int] = set()
+        ends: set[int] = set()
+        stack = [v]
+        while stack:
+            for u in succ[stack.pop()]:
+                if lay[u] == "col_split" and not weighted[u] and graph.kinds[u] in ELEMENTWISE_KINDS:
+                    if u not in inside:
+                        inside.add(u)
+                        stack.append(u)
+                else:
+                    ends.add(u)
+        return inside, ends
+
+    for v in graph.topological_order().tolist():
+        name, path, kind = graph.names[v], graph.module_paths[v], graph.kinds[v]
+        who = f"node {name!r} ({kind})"
+        if lay[v] in ("single", "batch_split"):
+            raise ExecutionError(f"{who} is {lay[v]} inside a tensor-parallel stage")
+        for u in succ[v]:
+            if sharded[v] and stage_of[u] != stage_of[v]:
+                raise ExecutionError(f"{who} passes a column-split tensor across a pipeline stage boundary to "
+                                     f"{graph.names[u]!r}")
+        if lay[v] == "replicate":
+            if any(sharded[p] for p in pred[v]):
+                raise ExecutionError(f"{who} is replicate but is fed a column-split tensor")
+            continue
+        mod = _module_at(model, path)
+        styles = stages[int(stage_of[v])].tp_styles
+        if weighted[v]:
+            if not isinstance(mod, (nn.Linear, nn.Embedding)):
+                raise ExecutionError(f"{who} is {lay[v]}, but the executor splits only nn.Linear and nn.Embedding "
+                                     f"(module {path!r} is {type(mod).__name__})")
+            in_sh = [sharded[p] for p in pred[v]]
+            if lay[v] == "col_split":
+                if any(in_sh):
+                    raise ExecutionError(f"{who} is col_split but its input is already sharded")
+                dim = mod.out_features if isinstance(mod, nn.Linear) else mod.embedding_dim
+                inside, ends = region(v)
+                cons = [lay[u] in ("col_split", "row_split") for u in ends]
+                if cons and all(cons) and isinstance(mod, nn.Linear):
+                    styles[path] = "col"
+                elif not any(cons):  # nothing downstream is split: gather the output right away
+                    styles[path] = "col_gather"
+                    gathered.update(inside)
+                    for u in (v, *inside):
+                        sharded[u] = False
+                else:
+                    raise ExecutionError(f"{who} is col_split with both split and replicated consumers")
+            else:
+                dim = mod.in_features if isinstance(mod, nn.Linear) else mod.num_embeddings
+                if any(in_sh) and not all(in_sh):
+                    raise ExecutionError(f"{who} is row_split with both sharded and replicated inputs")
+                if any(in_sh) and isinstance(mod, nn.Embedding):
+                    raise ExecutionError(f"{who}: a row-split embedding needs replicated indices")
+                styles[path] = "row" if any(in_sh) else "row_rep"
+            if dim % tp:
+                raise ExecutionError(f"{who}: dimension {dim} is not divisible by tp={tp}")
+            continue
+        # weightless, split
+        if v in gathered:
+            continue
+        if lay[v] == "row_split":
+            raise ExecutionError(f"{who} has no weights to row_split")
+        if not pred[v] or not all(sharded[p] for p in pred[v]):
+            raise ExecutionError(f"{who} is col_split but its input is not column-split")
+        if not succ[v] or not all(lay[u] in ("col_split", "row_split") for u in succ[v]):
+            raise ExecutionError(f"{who} is col_split but feeds a replicated op; end the split with a row_split")
+        if kind in ELEMENTWISE_KINDS:
+            continue
+        if kind == "sdpa" and isinstance(mod, SelfAttention):
+            qkv, out = f"{path}.qkv", f"{path}.out"
+            out_ok = any(graph.module_paths[u] == out and lay[u] == "row_split" for u in range(n))
+            if stages[int(stage_of[v])].tp_styles.get(qkv) != "col" or not out_ok:
+                raise ExecutionError(f"{who}: attention runs split only with {qkv!r} col_split and {out!r} row_split")
+            if mod.heads % tp:
+                raise ExecutionError(f"{who}: {mod.heads} heads do not split over tp={tp}")
+            stages[int(stage_of[v])].attention.append(path)
+            continue
+        raise ExecutionError(f"{who} is col_split, but the executor shards only elementwise activations and "
+                             "zoo SelfAttention between a column and a row split")
+    for st in stages:  # a column-split qkv must come with its attention core split by heads
+        for path in st.tp_styles:
+            parent = path.rpartition(".")[0]
+            if isinstance(_module_at(model, parent), SelfAttention) and path.endswith(".qkv") \
+                    and parent not in st.attention:
+                raise ExecutionError(f"{path!r} is col_split but its attention core is not split by heads")
+
+
+# ---------------------------------------------------------------------------- TP helpers
+def regroup_qkv(attn: nn.Module, tp: int) -> None:
+    """Reorder the rows of ``attn.qkv`` so that a contiguous 1/tp shard holds q, k and v of whole heads."""
+    c = attn.out.in_features
+    per = c // tp
+    idx = [torch.arange(j * c + r * per, j * c + (r + 1) * per) for r in range(tp) for j in range(3)]
+    perm = torch.cat(idx).to(attn.qkv.weight.device)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(attn.qkv.weight[perm].clone())
+        if attn.qkv.bias is not None:
+            attn.qkv.bias.copy_(attn.qkv.bias[perm].clone())
+
+
+def _local_heads_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """SelfAttention forward on this rank's heads (qkv column-split after :func:`regroup_qkv`)."""
+    b, t, _ = x.shape
+    q, k, v = self.qkv(x).view(b, t, 3, self.heads // self.tp_degree, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+    return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def apply_tensor_parallel(model: nn.Module, stage: StageLayout, mesh, tp: int) -> None:
+    """``parallelize_module`` the stage's split modules on the 1-D ``mesh`` (in place)."""
+    import types
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for path in stage.attention:
+        attn = model.get_submodule(path)
+        regroup_qkv(attn, tp)
+        attn.tp_degree = tp
+        attn.forward = types.MethodType(_local_heads_forward, attn)
+    styles = {"col": lambda: ColwiseParallel(),
+              "col_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "row": lambda: RowwiseParallel(),
+              "row_rep": lambda: RowwiseParallel(input_layouts=Replicate())}
+    if stage.tp_styles:
+        parallelize_module(model, mesh, {p: styles[s]() for p, s in stage.tp_styles.items()})
