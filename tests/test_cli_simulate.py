@@ -59,3 +59,13 @@ def test_simulate_bad_input_exit_2(capsys, args, message):
 def test_topology_show(capsys):
     code, out, _ = run(capsys, "topology", "show", "dgx1-v100")
     assert code == 0 and "pairwise" in out
+
+
+def test_simulate_saves_the_best_plan(capsys, tmp_path):
+    out = tmp_path / "best.json"
+    code, _, _ = run(capsys, "simulate", "--save-plan", str(out))
+    assert code == 0
+    from envs.plan import Plan
+
+    plan = Plan.load(out)
+    assert plan.provenance["name"] and plan.provenance["predicted_step_time"] > 0

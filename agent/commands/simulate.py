@@ -51,6 +51,7 @@ def simulate_cmd(
     objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     gantt: str = typer.Option(None, "--gantt", help="write a Gantt chart PNG of the timeline"),
+    save_plan: str = typer.Option(None, "--save-plan", "-o", help="write the (best) simulated plan as JSON"),
 ) -> None:
     """Simulate one training step. Without --plan or --tp/--pp/--dp, compares standard plans."""
     if objective not in OBJECTIVES:
@@ -84,10 +85,17 @@ def simulate_cmd(
                       "yes" if r.oom else "no", _fmt_time(float(r.compute_time.max())),
                       _fmt_time(float(r.comm_time.max())))
         con.print(t)
+    best = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
+    if save_plan:
+        chosen = plans[best[0]]
+        chosen.provenance.update({"predicted_step_time": best[1].step_time, "objective": objective,
+                                  "peak_memory": [float(x) for x in best[1].peak_memory], "name": best[0]})
+        chosen.save(save_plan)
+        if not as_json:
+            typer.echo(f"plan '{best[0]}' written to {save_plan}")
     if gantt:
         from envs.gantt import save_gantt
 
-        best = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
         if best[1].objective == "throughput":
             best = (best[0], simulate(g, topo, plans[best[0]], "step_time"))
         save_gantt(best[1], gantt, title=f"{g.name} on {topo.name}: {best[0]} ({_fmt_time(best[1].step_time)})")
