@@ -20,6 +20,9 @@ COMMAND_MODULES = [
     "agent.commands.profile",
     "agent.commands.bench",
     "agent.commands.run",
+    "agent.commands.train",
+    "agent.commands.place",
+    "agent.commands.demo",
 ]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

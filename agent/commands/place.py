@@ -1,0 +1,70 @@
+"""`rlplace place --model SPEC|graph.json --topology NAME|FILE -o plan.json`: place a model with a policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def print_comparison(result, objective: str, title: str = "", console: Console | None = None) -> None:
+    """The candidates of a :class:`agent.infer.PlaceResult` as a table (best first)."""
+    con = console or Console(width=140)
+    base = result.best_baseline()
+    t = Table(title=title or f"objective: {objective}")
+    for c in ("candidate", "kind", "time", "vs best baseline", "peak memory / device", "OOM"):
+        t.add_column(c)
+    seen: set[str] = set()
+    for c in result.candidates:
+        if c.kind == "policy" and c.name.split(" sample")[0] in seen and c is not result.best:
+            continue  # one row per rollout kind (the best sample) keeps the table short
+        seen.add(c.name.split(" sample")[0])
+        vs = f"x{base.value / c.value:.3f}" if base is not None and c.value > 0 else "-"
+        style = "bold green" if c is result.best else None
+        t.add_row(c.name, c.kind, _fmt(c.value), vs, f"{c.peak_memory / 1e9:.2f} GB", "yes" if c.oom else "no",
+                  style=style)
+    con.print(t)
+
+
+def place_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="graph JSON, built-in graph (gpt-tiny, gpt-medium, moe-wide, ...) or model spec (gpt:layers=4)"),
+    topology: str = typer.Option("dgx-a100-80g", "--topology", "-t", help="preset name or yaml/JSON file"),
+    policy: str = typer.Option(None, "--policy", help="policy .zip (default: the shipped pretrained policy)"),
+    objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
+    samples: int = typer.Option(8, "--samples", help="sampled rollouts besides the greedy one"),
+    finetune_steps: int = typer.Option(0, "--finetune-steps", help="PPO steps on this task before the rollouts"),
+    search_seconds: float = typer.Option(0.0, "--search-seconds", help="local search (MCMC) from the best plan"),
+    max_groups: int = typer.Option(None, "--max-groups", help="coarsen to at most this many groups (default: the policy's)"),
+    seed: int = typer.Option(0, "--seed"),
+    output: str = typer.Option("plan.json", "--output", "-o", help="plan JSON to write (and a .png Gantt chart)"),
+    gantt: str = typer.Option(None, "--gantt", help="Gantt PNG path (default: next to the plan)"),
+) -> None:
+    """Place a model: policy rollouts + fast baselines (+ fine-tune / search); never worse than the baselines."""
+    from agent.infer import place, resolve_model
+    from envs.gantt import save_gantt
+    from envs.simulator import simulate
+    from envs.topology import resolve_topology
+
+    g = resolve_model(model)
+    topo = resolve_topology(topology)
+    res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
+                search_seconds=search_seconds, seed=seed, max_groups=max_groups, log=typer.echo)
+    con = Console(width=140)
+    con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
+    print_comparison(res, objective, console=con)
+    out = Path(output)
+    res.plan.save(out)
+    png = Path(gantt) if gantt else out.with_suffix(".png")
+    rep = simulate(g, topo, res.plan, "step_time" if objective == "throughput" else objective)
+    save_gantt(rep, png, title=f"{g.name} on {topo.name}: {res.best.name} ({_fmt(rep.step_time)})")
+    typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("place")(place_cmd)

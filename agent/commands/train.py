@@ -1,0 +1,30 @@
+"""`rlplace train --config experiments/configs/NAME.yaml`: PPO over a distribution of placement tasks."""
+
+from __future__ import annotations
+
+import typer
+
+
+def train_cmd(
+    config: str = typer.Option(..., "--config", "-c", help="training config yaml (see experiments/configs/)"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run in --run-dir (same step counter and curves)"),
+    total_steps: int = typer.Option(None, "--total-steps", help="step counter to reach (default: the config's)"),
+    run_dir: str = typer.Option(None, "--run-dir", help="run directory (default: runs/NAME)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+) -> None:
+    """Train a graph-neural MaskablePPO placement policy; logs to TensorBoard under the run directory."""
+    from agent.train import train
+
+    res = train(config, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
+                log=typer.echo)
+    typer.echo(f"trained to step {res.num_timesteps} in {res.seconds:.0f}s; model: {res.model_path}")
+    for name, b in sorted(res.best.items()):
+        h = b.get("heuristic") or {}
+        vs = f", x{h['step_time'] / b['step_time']:.2f} vs {h['placer']}" if h else ""
+        typer.echo(f"  {name}: best {b['step_time'] * 1e3:.3f} ms (x{b['speedup']:.2f} vs ref{vs})"
+                   f"{' OOM' if b['oom'] else ''}")
+    typer.echo(f"TensorBoard: tensorboard --logdir {res.run_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train_cmd)

@@ -1,0 +1,188 @@
+"""The agent: GNN policy, PPO training with callbacks, resume, placing a model, the demo.
+
+One short training run (module fixture, ~1k steps on two tiny tasks) is shared by most tests."""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sb3_contrib")
+
+from sb3_contrib import MaskablePPO  # noqa: E402
+
+from agent.infer import Candidate, model_shape, place, rollout, run_baselines  # noqa: E402
+from agent.policy import GraphPlacementPolicy  # noqa: E402
+from agent.train import build_tasks, greedy_scores, load_config, make_vec_env, train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "name": "tiny-test",
+    "seed": 0,
+    "n_envs": 1,
+    "total_timesteps": 1024,
+    "env": {"max_nodes": 8, "max_devices": 4, "objective": "step_time"},
+    "tasks": {"builtin": ["gpt-tiny", "mlp-chain"], "topologies": ["pcie-4gpu"]},
+    "eval_tasks": {"builtin": ["moe-wide"], "topologies": ["pcie-4gpu"]},
+    "policy": {"hidden": 32, "rounds": 2, "device_rounds": 1, "value_hidden": 32},
+    "ppo": {"learning_rate": 1e-3, "n_steps": 256, "batch_size": 64, "n_epochs": 4, "gamma": 1.0},
+    "callbacks": {"eval_freq": 512, "checkpoint_freq": 512, "baselines": True},
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The untrained model's greedy scores, then a 1024-step run (same seed) in a temp run dir."""
+    cfg = load_config(dict(TINY))
+    tasks = build_tasks(cfg.raw["tasks"])
+    venv = make_vec_env(tasks, cfg.env, 1, cfg.seed)
+    untrained = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", policy_kwargs=cfg.policy,
+                            **cfg.ppo)
+    before = greedy_scores(untrained, tasks, cfg.env)
+    venv.close()
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    res = train(cfg, run_dir=run_dir, progress=False, log=None)
+    return {"cfg": cfg, "tasks": tasks, "before": before, "res": res, "run_dir": run_dir}
+
+
+def test_policy_is_padding_agnostic():
+    """The same weights score observations of different paddings (nodes, devices, options)."""
+    import torch as th
+
+    from envs.placement_env import PlacementEnv
+    from envs.tasks import default_tasks
+
+    small = PlacementEnv(default_tasks("pcie-4gpu", names=["gpt-tiny"]), max_nodes=8, max_devices=4)
+    model = MaskablePPO(GraphPlacementPolicy, small, seed=0, device="cpu", n_steps=64, batch_size=32,
+                        policy_kwargs={"hidden": 16, "rounds": 1})
+    fe = model.policy.features_extractor
+    big = PlacementEnv(default_tasks("dgx-a100-80g", names=["gpt-small"]), max_nodes=40, max_devices=8)
+    obs, _ = big.reset(seed=0)
+    with th.no_grad():
+        logits, pooled = fe.action_logits_and_pooled({k: th.as_tensor(v)[None] for k, v in obs.items()})
+    assert logits.shape == (1, big.max_options)
+    assert th.isfinite(logits).all() and th.isfinite(pooled).all()
+    info = rollout(model, big, big.task, deterministic=True)
+    assert info["plan"].num_nodes == big.task.graph.num_nodes
+
+
+def test_training_improves_greedy_reward(run):
+    """Greedy-plan reward on the training tasks: after a short run > the untrained policy (same seed)."""
+    res = run["res"]
+    assert res.num_timesteps >= 1024
+    after = greedy_scores(MaskablePPO.load(res.model_path, device="cpu"), run["tasks"], run["cfg"].env)
+    assert after.mean() > run["before"].mean() + 0.05, (run["before"], after)
+    # best plans were written per task, with an index
+    plans = run["run_dir"] / "plans"
+    assert (plans / "best.json").exists()
+    assert len(list(plans.glob("*@*.json"))) == len(run["tasks"])
+
+
+def test_save_load_identical_greedy_plans(run, tmp_path):
+    """A saved model loaded in a fresh process gives the same greedy plans."""
+    model = MaskablePPO.load(run["res"].model_path, device="cpu")
+    path = tmp_path / "m.zip"
+    model.save(path)
+    from envs.placement_env import PlacementEnv
+
+    env = PlacementEnv(run["tasks"], **run["cfg"].env)
+    plans = [rollout(model, env, t, deterministic=True)["plan"].to_dict() for t in run["tasks"]]
+    code = (
+        "import json,sys; from sb3_contrib import MaskablePPO; from agent.infer import rollout; "
+        "from agent.train import build_tasks, load_config; from envs.placement_env import PlacementEnv; "
+        f"cfg=load_config({TINY!r}); tasks=build_tasks(cfg.raw['tasks']); env=PlacementEnv(tasks, **cfg.env); "
+        f"m=MaskablePPO.load({str(path)!r}, device='cpu'); "
+        "print(json.dumps([rollout(m, env, t, deterministic=True)['plan'].to_dict() for t in tasks]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    assert json.loads(json.dumps(plans)) == fresh
+
+
+def test_tensorboard_has_custom_scalars_and_image(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = glob.glob(str(run["run_dir"] / "tb" / "PPO_1" / "events.out.tfevents.*"))
+    assert files
+    scalars, images = set(), set()
+    for f in files:
+        ea = EventAccumulator(f, size_guidance={"images": 0, "scalars": 0})
+        ea.Reload()
+        scalars |= set(ea.Tags()["scalars"])
+        images |= set(ea.Tags()["images"])
+    for tag in ("rollout/oom_rate", "rollout/mean_best_speedup", "rollout/mean_speedup_vs_heuristic",
+                "train/entropy", "eval/mean_reward"):
+        assert tag in scalars, tag
+    for task in run["tasks"]:
+        for what in ("best_step_time_ms", "speedup_vs_ref", "speedup_vs_heuristic"):
+            assert f"task/{task.name}/{what}" in scalars
+    assert any(t.startswith("plans/") for t in images)
+
+
+def test_resume_continues_step_counter(run):
+    """--resume trains the remaining steps into the same run and TensorBoard directory."""
+    res = train(run["cfg"], run_dir=run["run_dir"], total_steps=1536, resume=True, progress=False, log=None)
+    assert res.num_timesteps >= 1536
+    assert MaskablePPO.load(res.model_path, device="cpu").num_timesteps == res.num_timesteps
+    assert sorted(p.name for p in (run["run_dir"] / "tb").iterdir()) == ["PPO_1"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for f in glob.glob(str(run["run_dir"] / "tb" / "PPO_1" / "events.out.tfevents.*")):
+        ea = EventAccumulator(f)
+        ea.Reload()
+        if "time/fps" in ea.Tags()["scalars"]:
+            steps += [e.step for e in ea.Scalars("time/fps")]
+    assert max(steps) >= 1536 and min(steps) <= 1024
+
+
+def test_place_never_worse_than_baselines(run):
+    from envs.tasks import load_builtin_graph
+    from envs.topology import resolve_topology
+
+    model = MaskablePPO.load(run["res"].model_path, device="cpu")
+    g, topo = load_builtin_graph("gpt-small"), resolve_topology("pcie-4gpu")
+    res = place(g, topo, model=model, samples=2, seed=0)
+    base = run_baselines(g, topo)
+    best_base = min(base, key=Candidate.key)
+    assert res.best.key() <= best_base.key()
+    assert res.plan.provenance["winner"] == res.best.name
+    assert res.plan.provenance["best_baseline"] is not None
+    assert any(c.kind == "policy" for c in res.candidates)
+    res.plan.validate(g, topo)
+    # a larger padding than the policy was trained with (more groups and devices) still works
+    big = place(g, resolve_topology("dgx-a100-80g"), model=model, samples=0, max_groups=16, baselines=False)
+    assert big.best.kind == "policy" and model_shape(model)["max_nodes"] == 8
+
+
+def test_place_cli_writes_plan_and_gantt(run, tmp_path):
+    from agent.cli import main
+    from envs.plan import Plan
+
+    out = tmp_path / "plan.json"
+    rc = main(["place", "--model", str(ROOT / "envs" / "data" / "gpt-tiny.json"),
+               "--topology", "pcie-4gpu", "--policy", str(run["res"].model_path), "--samples", "1", "-o", str(out)])
+    assert rc == 0
+    assert Plan.load(out).provenance["placer"] == "rlplace-agent"
+    assert out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["place", "--model", "gpt-small", "--policy", str(tmp_path / "missing.zip"), "-o", str(out)])
+    assert exc.value.code == 2
+
+
+def test_demo_tiny_end_to_end(tmp_path):
+    from agent.demo import run_demo
+
+    res = run_demo(steps=256, out=tmp_path, model="mlp-block", progress=False, samples=1, echo=lambda _m: None)
+    assert res["plan"].exists() and res["gantt"].exists()
+    assert glob.glob(str(tmp_path / "demo" / "tb" / "PPO_1" / "events.out.tfevents.*"))
+    assert np.isfinite(res["steps"]) and res["steps"] >= 256
