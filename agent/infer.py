@@ -75,14 +75,9 @@ class PlaceResult:
 
 
 def resolve_model(spec: str | OpGraph) -> OpGraph:
-    """A graph from a built-in name (``envs/data``: gpt-tiny, gpt-medium, moe-wide, ... or the
-    ``envs.examples``), a graph JSON or a model spec (``agent.resolve.resolve_graph``)."""
+    """A graph from a built-in name, a graph JSON or a model spec (``agent.resolve.resolve_graph``)."""
     from agent.resolve import resolve_graph
-    from envs.examples import EXAMPLES
-    from envs.tasks import builtin_graph_names, load_builtin_graph
 
-    if isinstance(spec, str) and spec not in EXAMPLES and spec in builtin_graph_names():
-        return load_builtin_graph(spec)
     return resolve_graph(spec)
 
 

@@ -10,13 +10,18 @@ from envs.graph import OpGraph
 
 
 def resolve_graph(spec: str | OpGraph) -> OpGraph:
-    """A built-in example (``gpt-small``), a graph JSON file, or a model spec (``gpt:layers=4``,
-    ``file.py:build_fn``) traced by ``profilers``."""
+    """A built-in example (``envs.examples``: ``gpt-small``, ``gpt-1.3b``; or a graph shipped in
+    ``envs/data``: ``gpt-tiny``, ``gpt-medium``, ``moe-wide``, ...), a graph JSON file, or a model spec
+    (``gpt:layers=4``, ``file.py:build_fn``) traced by ``profilers``."""
     if isinstance(spec, OpGraph):
         return spec
     spec = str(spec)
     if spec in EXAMPLES:
         return EXAMPLES[spec]()
+    from envs.tasks import builtin_graph_names, load_builtin_graph
+
+    if spec in builtin_graph_names():
+        return load_builtin_graph(spec)
     if spec.endswith(".json"):
         if not os.path.exists(spec):
             raise GraphError(f"graph file not found: {spec}")
