@@ -42,20 +42,24 @@ def gantt_figure(report: StepReport, title: str = "", max_rows: int = 64):
     return fig
 
 
-def save_gantt(report: StepReport, path: str | os.PathLike, title: str = "") -> Path:
-    """Render and write a PNG atomically (temp file + rename)."""
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Write a matplotlib figure as PNG atomically (temp file + rename) and close it."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig = gantt_figure(report, title)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
+        fig.savefig(tmp, dpi=dpi)
         os.replace(tmp, path)
     finally:
         plt.close(fig)
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def save_gantt(report: StepReport, path: str | os.PathLike, title: str = "") -> Path:
+    """Render the Gantt chart of ``report`` and write it as a PNG atomically."""
+    return save_figure(gantt_figure(report, title), path)

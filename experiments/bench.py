@@ -41,6 +41,7 @@ from agent.lower_bound import lower_bound
 from agent.placers import PLACERS, SEARCH_PLACERS, Budget, run_placer
 from agent.placers.common import Scorer, finish
 from envs.errors import RlplaceError
+from envs.gantt import save_figure
 from envs.graph import OpGraph
 from envs.plan import Plan
 from envs.simulator import OBJECTIVES, simulate
@@ -496,13 +497,4 @@ def _plot(rows: list[Row], path: Path) -> None:
     ax2.set_xlabel("best / lower bound")
     ax2.set_title("gap to the lower bound", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    save_figure(fig, path)
