@@ -1,0 +1,372 @@
+"""Measure the three agent targets (PPO vs heuristics, zero-shot transfer, placement latency).
+
+    python -m experiments.agent_targets --target a [--minutes 15] [--out experiments/results/agent_targets]
+    python -m experiments.agent_targets --target b [--minutes 15] [--side zeroshot|specialist|both]
+    python -m experiments.agent_targets --target c [--groups 500] [--samples 8]
+
+(a) PPO on one ~200-group GPT graph (``experiments/configs/target_a.yaml``: gpt-1.3b coarsened to 200
+    groups, on ``dgx-a100-80g``) for ``--minutes`` of wall clock; the best plan found so far is tracked
+    over time against the best heuristic (the fast placers incl. megatron_3d, then MCMC from the best
+    of them for ``--mcmc-seconds``). Result: ``best_heuristic_time / best_ppo_time`` (> 1: PPO wins).
+(b) Zero-shot transfer: a policy trained for ``--minutes`` on several families without moe-wide
+    (``target_b_zeroshot.yaml``) places moe-wide@dgx-a100-80g (greedy + ``--samples`` rollouts, no
+    training on it), against a specialist trained on moe-wide alone for the same budget
+    (``target_b_specialist.yaml``; its best = best training episode or final rollouts). Result:
+    ``zero_shot_time / specialist_time`` (target <= 1.05). Each side can run alone (``--side``); the
+    ratio is written once both side files exist.
+(c) ``rlplace place`` latency with the shipped policy (``agent/pretrained/placement_policy.zip``) on a
+    ``--groups``-group GPT graph (built in memory, so no tracing): policy-only time (env + rollouts)
+    and the total with the fast baselines.
+
+Every target writes ``target_<x>.json`` and ``target_<x>.png`` into ``--out`` (atomically). All plan
+times are the simulator's step time on the *operator* graph. Training uses one torch thread per process
+and ``n_envs`` (2) environment processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIGS = ROOT / "experiments" / "configs"
+DEFAULT_OUT = ROOT / "experiments" / "results" / "agent_targets"
+
+
+# ---------------------------------------------------------------------- small helpers
+def seed_everything(seed: int) -> None:
+    import torch as th
+
+    random.seed(seed)
+    np.random.seed(seed)
+    th.manual_seed(seed)
+    th.set_num_threads(1)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file beside ``path``, then ``os.replace`` (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: dict) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def write_png(path: Path, fig) -> None:
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def new_figure(title: str, xlabel: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(float(seconds) * 1e3, 4)
+
+
+# ---------------------------------------------------------------------- wall-clock PPO training
+def make_stop_and_track_callback(deadline_s: float):
+    """An SB3 callback that stops ``learn`` after ``deadline_s`` seconds and tracks the best plan per task.
+
+    ``best[task] = {"step_time", "oom", "plan", "t", "timestep"}`` (fits in memory first, then fastest);
+    ``curve[task]`` lists ``(seconds, timesteps, best_step_time)`` at every improvement."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class StopOnTimeBestPlan(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.t0 = time.perf_counter()
+            self.best: dict[str, dict] = {}
+            self.curve: dict[str, list] = {}
+            self.episodes = 0
+
+        def _on_training_start(self) -> None:
+            self.t0 = time.perf_counter()
+
+        def elapsed(self) -> float:
+            return time.perf_counter() - self.t0
+
+        def _on_step(self) -> bool:
+            for info in self.locals.get("infos", []):
+                if "plan" not in info:
+                    continue
+                self.episodes += 1
+                task, st, oom = info["task_id"], float(info["step_time"]), bool(info["oom"])
+                cur = self.best.get(task)
+                if cur is None or (oom, st) < (cur["oom"], cur["step_time"]):
+                    self.best[task] = {"step_time": st, "oom": oom, "plan": info["plan"], "t": self.elapsed(),
+                                       "timestep": int(self.num_timesteps)}
+                    self.curve.setdefault(task, []).append((self.elapsed(), int(self.num_timesteps), st, oom))
+            return self.elapsed() < deadline_s  # False ends model.learn()
+
+    return StopOnTimeBestPlan()
+
+
+def train_for(config_name: str, minutes: float, seed: int):
+    """PPO on a config's tasks for ``minutes`` of wall clock; returns (model, tracker, cfg, tasks)."""
+    from sb3_contrib import MaskablePPO
+
+    from agent.policy import GraphPlacementPolicy
+    from agent.train import build_tasks, load_config, make_vec_env
+
+    cfg = load_config(CONFIGS / f"{config_name}.yaml")
+    seed = cfg.seed + seed
+    seed_everything(seed)
+    tasks = build_tasks(cfg.raw["tasks"], seed=seed)
+    venv = make_vec_env(tasks, cfg.env, cfg.n_envs, seed)
+    try:
+        model = MaskablePPO(GraphPlacementPolicy, venv, seed=seed, device="cpu", verbose=0,
+                            policy_kwargs=cfg.policy, **cfg.ppo)
+        tracker = make_stop_and_track_callback(minutes * 60.0)
+        # an effectively unbounded step target: the callback's clock ends training
+        model.learn(total_timesteps=10**9, callback=tracker, progress_bar=False)
+    finally:
+        venv.close()
+    print(f"[{config_name}] trained {model.num_timesteps} steps, {tracker.episodes} episodes "
+          f"in {tracker.elapsed():.0f}s")
+    return model, tracker, cfg, tasks
+
+
+def policy_best(model, task, cfg, samples: int, seed: int):
+    """The best of the policy's greedy + ``samples`` sampled rollouts, scored on the operator graph."""
+    from agent.infer import place
+
+    t = time.perf_counter()
+    res = place(task.graph, task.topology, model=model, samples=samples, seed=seed, baselines=False,
+                max_groups=cfg.env["max_nodes"])
+    return res.best, time.perf_counter() - t
+
+
+def heuristic_best(task, mcmc_seconds: float, seed: int) -> dict:
+    """The fast placers (megatron_3d included) and MCMC from the best of them; the overall winner."""
+    from agent.infer import evaluate_candidate, local_search, run_baselines
+    from envs.evaluator import SimulatorEvaluator
+
+    ev = SimulatorEvaluator(cache_size=4096)
+    t = time.perf_counter()
+    cands = run_baselines(task.graph, task.topology, "step_time", seed=seed, evaluator=ev)
+    fast_s = time.perf_counter() - t
+    start = min(cands, key=lambda c: c.key())
+    t = time.perf_counter()
+    found = local_search(task.graph, task.topology, start.plan, "step_time", mcmc_seconds, seed) \
+        if mcmc_seconds > 0 else None
+    if found is not None:
+        c = evaluate_candidate(f"mcmc from {start.name}", "search", found, task.graph, task.topology,
+                               "step_time", ev, time.perf_counter() - t)
+        if c is not None:
+            cands.append(c)
+    best = min(cands, key=lambda c: c.key())
+    return {"winner": best.name, "step_time": best.step_time, "oom": best.oom, "fast_seconds": round(fast_s, 2),
+            "mcmc_seconds": mcmc_seconds,
+            "all_ms": {c.name: ms(c.step_time) for c in sorted(cands, key=lambda c: c.key())}}
+
+
+# ---------------------------------------------------------------------- (a) PPO vs heuristics on ~200 groups
+def target_a(args) -> dict:
+    from agent.train import build_tasks, load_config
+
+    cfg = load_config(CONFIGS / "target_a.yaml")
+    task = build_tasks(cfg.raw["tasks"], seed=cfg.seed)[0]
+    print(f"(a) {task.name}: {len(task.graph.names)} ops -> <= {cfg.env['max_nodes']} groups; "
+          f"{args.minutes} min of PPO")
+
+    heur = heuristic_best(task, args.mcmc_seconds, args.seed)
+    h_time = heur["step_time"]
+    print(f"(a) best heuristic: {heur['winner']} {h_time * 1e3:.3f} ms (all: {heur['all_ms']})")
+
+    model, tracker, cfg, _ = train_for("target_a", args.minutes, args.seed)
+    best = tracker.best.get(task.name)
+    curve = [{"seconds": round(s, 2), "timesteps": n, "best_ms": ms(st), "oom": oom, "ratio": round(h_time / st, 4)}
+             for s, n, st, oom in tracker.curve.get(task.name, [])]
+    final, roll_s = policy_best(model, task, cfg, args.samples, args.seed)
+    ppo_time = min([final.step_time] + ([best["step_time"]] if best and not best["oom"] else []))
+    ratio = h_time / ppo_time
+    out = {"target": "a", "task": task.name, "ops": len(task.graph.names), "max_groups": cfg.env["max_nodes"],
+           "minutes": args.minutes, "seed": args.seed, "timesteps": int(model.num_timesteps),
+           "episodes": tracker.episodes, "heuristic": {**heur, "step_time_ms": ms(h_time)},
+           "ppo_best_training_ms": ms(best["step_time"]) if best else None,
+           "ppo_best_training_oom": best["oom"] if best else None,
+           "ppo_final_policy_ms": ms(final.step_time), "ppo_final_policy_oom": final.oom,
+           "ppo_final_rollouts": {"samples": args.samples, "seconds": round(roll_s, 2)},
+           "ppo_best_ms": ms(ppo_time),
+           "ratio_heuristic_over_ppo": round(ratio, 4), "ppo_beats_heuristic": ratio > 1.0, "curve": curve}
+    print(f"(a) best PPO {ppo_time * 1e3:.3f} ms vs {heur['winner']} {h_time * 1e3:.3f} ms: "
+          f"ratio heuristic/PPO = {ratio:.4f}")
+
+    fig, ax = new_figure(f"(a) {task.name}: best PPO plan vs best heuristic ({heur['winner']})",
+                         "wall-clock training time (s)", "best heuristic time / best PPO time")
+    if curve:
+        xs = [c["seconds"] for c in curve] + [tracker.elapsed()]
+        ys = [c["ratio"] for c in curve] + [curve[-1]["ratio"]]
+        ax.step(xs, ys, where="post", label="best training episode")
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="heuristic")
+    ax.axhline(ratio, color="C2", ls=":", label=f"final (incl. greedy+{args.samples}): {ratio:.3f}")
+    ax.legend()
+    write_json(args.out / "target_a.json", out)
+    write_png(args.out / "target_a.png", fig)
+    return out
+
+
+# ---------------------------------------------------------------------- (b) zero-shot vs specialist
+def target_b(args) -> dict:
+    from agent.train import build_tasks, load_config
+
+    zcfg = load_config(CONFIGS / "target_b_zeroshot.yaml")
+    held = build_tasks(zcfg.raw["eval_tasks"], seed=zcfg.seed)[0]
+    sides = ["zeroshot", "specialist"] if args.side == "both" else [args.side]
+    for side in sides:
+        model, tracker, cfg, tasks = train_for(f"target_b_{side}", args.minutes, args.seed)
+        if side == "zeroshot":
+            assert all(t.graph.name != held.graph.name for t in tasks), "held-out graph leaked into training"
+        final, roll_s = policy_best(model, held, cfg, args.samples, args.seed)
+        row = {"side": side, "config": f"target_b_{side}.yaml", "task": held.name, "minutes": args.minutes,
+               "seed": args.seed, "timesteps": int(model.num_timesteps), "episodes": tracker.episodes,
+               "train_tasks": [t.name for t in tasks],
+               "final_policy_ms": ms(final.step_time), "final_policy_oom": final.oom,
+               "final_rollouts": {"samples": args.samples, "seconds": round(roll_s, 2)}}
+        times = [final.step_time]
+        if side == "specialist":  # the specialist also searched this very task while training
+            b = tracker.best.get(held.name)
+            row["best_training_ms"] = ms(b["step_time"]) if b else None
+            row["curve"] = [{"seconds": round(s, 2), "timesteps": n, "best_ms": ms(st), "oom": oom}
+                            for s, n, st, oom in tracker.curve.get(held.name, [])]
+            if b and not b["oom"]:
+                times.append(b["step_time"])
+        row["best_ms"] = ms(min(times))
+        print(f"(b) {side}: {held.name} best {row['best_ms']} ms after {row['timesteps']} steps")
+        write_json(args.out / f"target_b_{side}.json", row)
+
+    paths = {s: args.out / f"target_b_{s}.json" for s in ("zeroshot", "specialist")}
+    if not all(p.exists() for p in paths.values()):
+        print(f"(b) waiting for the other side ({', '.join(str(p) for p in paths.values() if not p.exists())})")
+        return {}
+    z, s = (json.loads(p.read_text()) for p in paths.values())
+    ratio = z["best_ms"] / s["best_ms"]
+    heur = heuristic_best(held, 0.0, args.seed)  # context only: the fast placers, no MCMC
+    out = {"target": "b", "task": held.name, "zeroshot": z, "specialist": s,
+           "ratio_zeroshot_over_specialist": round(ratio, 4), "meets_target_1.05": ratio <= 1.05,
+           "fast_heuristic": {"winner": heur["winner"], "step_time_ms": ms(heur["step_time"])}}
+    print(f"(b) zero-shot {z['best_ms']} ms / specialist {s['best_ms']} ms = {ratio:.4f} (target <= 1.05); "
+          f"best fast heuristic {heur['winner']} {heur['step_time'] * 1e3:.3f} ms")
+
+    fig, ax = new_figure(f"(b) {held.name}: zero-shot vs specialist", "specialist wall-clock training time (s)",
+                         "best step time (ms)")
+    if s.get("curve"):
+        xs = [c["seconds"] for c in s["curve"]] + [s["minutes"] * 60]
+        ys = [c["best_ms"] for c in s["curve"]] + [s["curve"][-1]["best_ms"]]
+        ax.step(xs, ys, where="post", label="specialist: best training episode")
+    ax.axhline(s["best_ms"], color="C1", ls=":", label=f"specialist best {s['best_ms']:.3f} ms")
+    ax.axhline(z["best_ms"], color="C2", ls="--", label=f"zero-shot {z['best_ms']:.3f} ms (x{ratio:.3f})")
+    ax.axhline(heur["step_time"] * 1e3, color="k", ls="-.", lw=1,
+               label=f"best fast heuristic ({heur['winner']}) {heur['step_time'] * 1e3:.3f} ms")
+    ax.legend()
+    write_json(args.out / "target_b.json", out)
+    write_png(args.out / "target_b.png", fig)
+    return out
+
+
+# ---------------------------------------------------------------------- (c) place latency, pretrained policy
+def target_c(args) -> dict:
+    from agent.infer import PRETRAINED, load_policy, place
+    from envs.examples import transformer_graph
+    from envs.topology import resolve_topology
+
+    seed_everything(args.seed)
+    layers = max(1, -(-(args.groups - 4) // 10))  # 10 ops per layer + 4: at least --groups ops
+    graph = transformer_graph(layers=layers, hidden=2048, heads=16, seq=2048, batch=8, name=f"gpt-l{layers}")
+    topo = resolve_topology("dgx-a100-80g")
+    t = time.perf_counter()
+    model = load_policy(PRETRAINED)
+    load_s = time.perf_counter() - t
+    print(f"(c) {graph.name}: {len(graph.names)} ops, {args.groups} groups, {PRETRAINED.name} loaded in {load_s:.2f}s")
+
+    t = time.perf_counter()
+    pol = place(graph, topo, model=model, samples=args.samples, seed=args.seed, max_groups=args.groups,
+                baselines=False)
+    policy_s = time.perf_counter() - t
+    t = time.perf_counter()
+    full = place(graph, topo, model=model, samples=args.samples, seed=args.seed, max_groups=args.groups)
+    total_s = time.perf_counter() - t
+    base = full.best_baseline()
+    out = {"target": "c", "graph": graph.name, "ops": len(graph.names), "max_groups": args.groups,
+           "topology": topo.name, "samples": args.samples, "seed": args.seed, "policy_load_seconds": round(load_s, 3),
+           "policy_only_seconds": round(policy_s, 3), "policy_only_breakdown": {k: round(v, 3) for k, v in
+                                                                                pol.seconds.items()},
+           "total_with_baselines_seconds": round(total_s, 3),
+           "total_breakdown": {k: round(v, 3) for k, v in full.seconds.items()},
+           "policy_best_ms": ms(pol.best.step_time), "best_baseline": base.name if base else None,
+           "best_baseline_ms": ms(base.step_time) if base else None, "winner": full.best.name,
+           "note": "graph built in memory: no tracing; a fresh process adds imports and the policy load"}
+    print(f"(c) policy only {policy_s:.2f}s ({out['policy_only_breakdown']}); with baselines {total_s:.2f}s "
+          f"({out['total_breakdown']}); winner {full.best.name}")
+
+    fig, ax = new_figure(f"(c) place latency, {graph.name} ({args.groups} groups)", "", "seconds")
+    parts = [("policy only", pol.seconds), ("with baselines", full.seconds)]
+    keys = sorted({k for _, s in parts for k in s})
+    bottom = np.zeros(len(parts))
+    for k in keys:
+        vals = np.array([s.get(k, 0.0) for _, s in parts])
+        ax.bar([p for p, _ in parts], vals, bottom=bottom, label=k)
+        bottom += vals
+    ax.legend()
+    write_json(args.out / "target_c.json", out)
+    write_png(args.out / "target_c.png", fig)
+    return out
+
+
+# ---------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", choices=["a", "b", "c"], required=True)
+    ap.add_argument("--minutes", type=float, default=15.0, help="PPO wall-clock budget per trained policy (a, b)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=8, help="sampled rollouts besides the greedy one")
+    ap.add_argument("--mcmc-seconds", type=float, default=20.0, help="(a) MCMC budget for the heuristic side")
+    ap.add_argument("--side", choices=["zeroshot", "specialist", "both"], default="both", help="(b) which side(s)")
+    ap.add_argument("--groups", type=int, default=500, help="(c) graph size in groups")
+    args = ap.parse_args(argv)
+    args.out = Path(args.out)
+    t0 = time.time()
+    {"a": target_a, "b": target_b, "c": target_c}[args.target](args)
+    print(f"done in {time.time() - t0:.0f}s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
