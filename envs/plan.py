@@ -143,6 +143,11 @@ class Plan:
                 raise PlanError(f"{who} ({graph.kinds[i]}) does not allow row_split")
             if mb % dp:
                 raise PlanError(f"{who}: microbatch of {mb} samples does not split over dp={dp}")
+        for i in graph.meta.get("cpu_only") or []:  # ops the accelerators cannot run (imported workloads)
+            bad = [d for d in self.groups[int(i)] if topology.devices[d].kind != "cpu"]
+            if bad:
+                raise PlanError(f"node {graph.names[int(i)]!r} runs only on CPUs but is placed on "
+                                f"{topology.devices[bad[0]].name!r}")
         classes: dict[int, int] = {}
         for i, c in enumerate(graph.colocation.tolist()):
             if c < 0:

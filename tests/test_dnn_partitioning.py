@@ -202,3 +202,20 @@ def test_cli_bad_input_exits_2(tmp_path):
             main(argv)
         assert exc.value.code == 2
     assert not out.exists()
+
+
+def test_plan_validation_enforces_cpu_only_nodes():
+    import pytest as _pytest
+
+    from envs.errors import PlanError as _PlanError
+    from envs.graph import chain_graph
+    from envs.plan import Plan
+    from envs.topology import Device, Link, Topology
+
+    g = chain_graph(2)
+    g.meta["cpu_only"] = [1]
+    topo = Topology([Device("acc", "accel", {"fp32": 1e12}, 1e9, 1e9), Device("cpu", "cpu", {"fp32": 1e11}, 1e9, 1e9)],
+                    [Link("acc", "cpu", bandwidth=1e9)])
+    Plan(groups=[(0,), (1,)], layouts=["single"] * 2).validate(g, topo)
+    with _pytest.raises(_PlanError, match="runs only on CPUs"):
+        Plan(groups=[(0,), (0,)], layouts=["single"] * 2).validate(g, topo)
