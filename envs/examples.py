@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from envs.graph import OpGraph
+from envs.graph import GraphBuilder, OpGraph
 from envs.plan import DTYPE_BYTES
 
 
@@ -20,22 +20,8 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
     e = DTYPE_BYTES[dtype]
     b, s, h, f = batch, seq, hidden, ffn_mult * hidden
     tok = b * s
-    names, kinds, mods, flops, params, outs = [], [], [], [], [], []
-    src, dst, ebytes = [], [], []
-
-    def node(nm, kind, mod, fl, pb, ob, inputs):
-        idx = len(names)
-        names.append(nm)
-        kinds.append(kind)
-        mods.append(mod)
-        flops.append(float(fl))
-        params.append(float(pb))
-        outs.append(float(ob))
-        for i in inputs:
-            src.append(i)
-            dst.append(idx)
-            ebytes.append(outs[i])
-        return idx
+    builder = GraphBuilder()
+    node = builder.node
 
     act = tok * h * e
     if embeddings:
@@ -59,10 +45,8 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
         lnf = node("ln_f", "layernorm", "ln_f", 5 * tok * h, 2 * h * e, act, [x])
         head = node("lm_head", "linear", "lm_head", 2 * tok * h * vocab, vocab * h * e, tok * vocab * e, [lnf])
         node("loss", "cross_entropy", "loss", 3 * tok * vocab, 0, 4, [head])
-    return OpGraph(names=names, kinds=kinds, module_paths=mods, fwd_flops=np.array(flops), param_bytes=np.array(params),
-                   out_bytes=np.array(outs), edge_src=np.array(src), edge_dst=np.array(dst),
-                   edge_bytes=np.array(ebytes), batch_size=batch, dtype=dtype,
-                   name=name or f"transformer-l{layers}-h{hidden}-s{seq}-b{batch}")
+    return builder.build(batch_size=batch, dtype=dtype,
+                         name=name or f"transformer-l{layers}-h{hidden}-s{seq}-b{batch}")
 
 
 def mlp_block_graph(hidden: int = 4096, tokens: int = 8192, dtype: str = "bf16") -> OpGraph:

@@ -430,3 +430,43 @@ def chain_graph(n: int, *, flops: float = 1e12, param_bytes: float = 0.0, act_by
         batch_size=batch_size, name=name, module_paths=[f"layers.{i}" for i in range(n)],
     )
 
+
+
+class GraphBuilder:
+    """Collects nodes with closed-form costs and their input edges, then builds an OpGraph.
+
+    Each edge carries its producer's output bytes unless ``in_bytes`` says how much the consumer reads
+    (e.g. the slice of tokens routed to one expert)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.kinds: list[str] = []
+        self.modules: list[str] = []
+        self.flops: list[float] = []
+        self.params: list[float] = []
+        self.outs: list[float] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.edge_bytes: list[float] = []
+
+    def node(self, name: str, kind: str, module: str, flops: float, param_bytes: float, out_bytes: float,
+             inputs: Sequence[int] = (), in_bytes: float | None = None) -> int:
+        idx = len(self.names)
+        self.names.append(name)
+        self.kinds.append(kind)
+        self.modules.append(module)
+        self.flops.append(float(flops))
+        self.params.append(float(param_bytes))
+        self.outs.append(float(out_bytes))
+        for i in inputs:
+            self.src.append(i)
+            self.dst.append(idx)
+            self.edge_bytes.append(self.outs[i] if in_bytes is None else float(in_bytes))
+        return idx
+
+    def build(self, **kwargs) -> OpGraph:
+        """The OpGraph; ``kwargs`` go to OpGraph (batch_size, dtype, name, ...)."""
+        return OpGraph(names=self.names, kinds=self.kinds, module_paths=self.modules,
+                       fwd_flops=np.array(self.flops), param_bytes=np.array(self.params),
+                       out_bytes=np.array(self.outs), edge_src=np.array(self.src, dtype=np.int64),
+                       edge_dst=np.array(self.dst, dtype=np.int64), edge_bytes=np.array(self.edge_bytes), **kwargs)

@@ -25,7 +25,7 @@ import numpy as np
 
 from envs.errors import EnvError
 from envs.examples import transformer_graph
-from envs.graph import OpGraph
+from envs.graph import GraphBuilder, OpGraph
 from envs.plan import DTYPE_BYTES
 from envs.topology import Topology, resolve_topology
 
@@ -107,33 +107,17 @@ def mlp_chain_graph(layers: int = 12, width: int = 4096, tokens: int = 4096, bat
                     dtype: str = "bf16", name: str | None = None) -> OpGraph:
     """A deep MLP: linear -> relu repeated, widths alternating 1x / 2x (a pure chain)."""
     e = DTYPE_BYTES[dtype]
-    names, kinds, mods, flops, params, outs = [], [], [], [], [], []
-    src, dst, eb = [], [], []
+    builder = GraphBuilder()
     prev, w_in = -1, width
     for i in range(layers):
         w_out = width * (2 if i % 2 == 0 else 1)
-        for kind in ("linear", "relu"):
-            idx = len(names)
-            names.append(f"layers.{i}.{'fc' if kind == 'linear' else 'act'}")
-            kinds.append(kind)
-            mods.append(names[-1])
-            if kind == "linear":
-                flops.append(2.0 * tokens * w_in * w_out)
-                params.append(float(w_in * w_out * e))
-            else:
-                flops.append(float(tokens * w_out))
-                params.append(0.0)
-            outs.append(float(tokens * w_out * e))
-            if prev >= 0:
-                src.append(prev)
-                dst.append(idx)
-                eb.append(outs[prev])
-            prev = idx
+        fc = builder.node(f"layers.{i}.fc", "linear", f"layers.{i}.fc", 2.0 * tokens * w_in * w_out,
+                          w_in * w_out * e, tokens * w_out * e, [prev] if prev >= 0 else [])
+        prev = builder.node(f"layers.{i}.act", "relu", f"layers.{i}.act", tokens * w_out, 0.0, tokens * w_out * e,
+                            [fc])
         w_in = w_out
-    return OpGraph(names=names, kinds=kinds, module_paths=mods, fwd_flops=np.array(flops),
-                   param_bytes=np.array(params), out_bytes=np.array(outs), edge_src=np.array(src, dtype=np.int64),
-                   edge_dst=np.array(dst, dtype=np.int64), edge_bytes=np.array(eb), batch_size=batch, dtype=dtype,
-                   name=name or f"mlp-chain-l{layers}-w{width}")
+    return builder.build(batch_size=batch, dtype=dtype,
+                         name=name or f"mlp-chain-l{layers}-w{width}")
 
 
 def branching_cnn_graph(blocks: int = 6, channels: int = 256, image: int = 28, batch: int = 16,
@@ -141,22 +125,10 @@ def branching_cnn_graph(blocks: int = 6, channels: int = 256, image: int = 28, b
     """An Inception-like CNN: a stem, then blocks of three parallel branches (1x1 conv; 1x1 -> 3x3 conv;
     max-pool -> 1x1 conv) joined by a concat, every other block halving the resolution; pooled head."""
     e = DTYPE_BYTES[dtype]
-    names, kinds, mods, flops, params, outs = [], [], [], [], [], []
-    src, dst, eb = [], [], []
+    builder = GraphBuilder()
 
-    def node(nm, kind, fl, pb, ob, inputs):
-        idx = len(names)
-        names.append(nm)
-        kinds.append(kind)
-        mods.append(nm)
-        flops.append(float(fl))
-        params.append(float(pb))
-        outs.append(float(ob))
-        for i in inputs:
-            src.append(i)
-            dst.append(idx)
-            eb.append(outs[i])
-        return idx
+    def node(nm, kind, fl, pb, ob, inputs):  # module path = node name
+        return builder.node(nm, kind, nm, fl, pb, ob, inputs)
 
     hw, c = image * image, channels
     x = node("stem.conv", "conv2d", 2 * batch * hw * 3 * c * 9, 3 * c * 9 * e, batch * hw * c * e, [])
@@ -177,10 +149,8 @@ def branching_cnn_graph(blocks: int = 6, channels: int = 256, image: int = 28, b
     gap = node("head.pool", "avgpool", batch * hw * c, 0, batch * c * e, [x])
     fc = node("head.fc", "linear", 2 * batch * c * 1000, c * 1000 * e, batch * 1000 * e, [gap])
     node("loss", "cross_entropy", 3 * batch * 1000, 0, 4, [fc])
-    return OpGraph(names=names, kinds=kinds, module_paths=mods, fwd_flops=np.array(flops),
-                   param_bytes=np.array(params), out_bytes=np.array(outs), edge_src=np.array(src, dtype=np.int64),
-                   edge_dst=np.array(dst, dtype=np.int64), edge_bytes=np.array(eb), batch_size=batch, dtype=dtype,
-                   name=name or f"branching-cnn-b{blocks}-c{channels}")
+    return builder.build(batch_size=batch, dtype=dtype,
+                         name=name or f"branching-cnn-b{blocks}-c{channels}")
 
 
 def moe_graph(layers: int = 2, experts: int = 8, top_k: int = 2, hidden: int = 1024, seq: int = 1024,
@@ -189,22 +159,8 @@ def moe_graph(layers: int = 2, experts: int = 8, top_k: int = 2, hidden: int = 1
     ``experts`` parallel expert MLPs (each seeing ``top_k / experts`` of the tokens) summed back."""
     e = DTYPE_BYTES[dtype]
     tok, h, f = batch * seq, hidden, 4 * hidden
-    names, kinds, mods, flops, params, outs = [], [], [], [], [], []
-    src, dst, eb = [], [], []
-
-    def node(nm, kind, mod, fl, pb, ob, inputs, in_bytes=None):
-        idx = len(names)
-        names.append(nm)
-        kinds.append(kind)
-        mods.append(mod)
-        flops.append(float(fl))
-        params.append(float(pb))
-        outs.append(float(ob))
-        for i in inputs:
-            src.append(i)
-            dst.append(idx)
-            eb.append(outs[i] if in_bytes is None else float(in_bytes))
-        return idx
+    builder = GraphBuilder()
+    node = builder.node
 
     act = tok * h * e
     x = node("embed", "embedding", "embed", tok * h, vocab * h * e, act, [])
@@ -228,10 +184,8 @@ def moe_graph(layers: int = 2, experts: int = 8, top_k: int = 2, hidden: int = 1
     lnf = node("ln_f", "layernorm", "ln_f", 5 * tok * h, 2 * h * e, act, [x])
     head = node("lm_head", "linear", "lm_head", 2 * tok * h * vocab, vocab * h * e, tok * vocab * e, [lnf])
     node("loss", "cross_entropy", "loss", 3 * tok * vocab, 0, 4, [head])
-    return OpGraph(names=names, kinds=kinds, module_paths=mods, fwd_flops=np.array(flops),
-                   param_bytes=np.array(params), out_bytes=np.array(outs), edge_src=np.array(src, dtype=np.int64),
-                   edge_dst=np.array(dst, dtype=np.int64), edge_bytes=np.array(eb), batch_size=batch, dtype=dtype,
-                   name=name or f"moe-l{layers}-e{experts}-h{hidden}")
+    return builder.build(batch_size=batch, dtype=dtype,
+                         name=name or f"moe-l{layers}-e{experts}-h{hidden}")
 
 
 def builtin_graph_factories() -> dict[str, Callable[[], OpGraph]]:
