@@ -208,49 +208,64 @@ def rollout(model, env, task, *, deterministic: bool, rng: np.random.Generator |
     return rollouts(model, [env], task, [deterministic], rng)[0]
 
 
-def trim_padding(obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict[str, np.ndarray]:
     """Drop the padded node, edge and device slots of one observation (the GNN needs none of them;
-    the option axis keeps its padding so action indices are unchanged)."""
+    the option axis keeps its padding so action indices are unchanged). ``dynamic_only``: only the
+    keys that change during an episode."""
+    from agent.policy import STATIC_KEYS
+
     n = max(int(obs["node_mask"].sum()), 1)
     m = max(int(obs["edge_mask"].sum()), 1)
     d = max(int(obs["device_mask"].sum()), 1)
-    out = dict(obs)
+    out = {k: v for k, v in obs.items() if not (dynamic_only and k in STATIC_KEYS)}
     for k in ("node_features", "node_mask", "node_state", "current_node"):
-        out[k] = obs[k][:n]
+        if k in out:
+            out[k] = obs[k][:n]
     out["node_devices"] = obs["node_devices"][:n, :d]
-    out["edge_index"] = obs["edge_index"][:, :m]
-    out["edge_features"] = obs["edge_features"][:m]
-    out["edge_mask"] = obs["edge_mask"][:m]
+    if not dynamic_only:
+        out["edge_index"] = obs["edge_index"][:, :m]
+        out["edge_features"] = obs["edge_features"][:m]
+        out["edge_mask"] = obs["edge_mask"][:m]
+        for k in ("device_bandwidth", "device_latency"):
+            out[k] = obs[k][:d, :d]
     for k in ("device_features", "device_mask", "device_state"):
-        out[k] = obs[k][:d]
-    for k in ("device_bandwidth", "device_latency"):
-        out[k] = obs[k][:d, :d]
+        if k in out:
+            out[k] = obs[k][:d]
     out["option_devices"] = obs["option_devices"][:, :d]
     return out
 
 
 def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.Generator | None = None) -> list[dict]:
-    """Episodes of ``task`` in several environments in lockstep (one batched GNN forward per step).
+    """Episodes of ``task`` in several environments in lockstep (one batched forward per step).
 
-    ``deterministic[i]`` says whether env ``i`` takes the argmax or samples from the masked softmax;
-    returns each episode's final info."""
+    The GNN's static part (graph and device encoders) runs once for the task; each step only runs the
+    dynamic part on the stacked dynamic arrays. ``deterministic[i]`` says whether env ``i`` takes the
+    argmax or samples from the masked softmax; returns each episode's final info."""
     import torch as th
+
+    from agent.policy import STATIC_KEYS
 
     fe = model.policy.features_extractor
     rng = rng or np.random.default_rng()
     obs = [e.reset(options={"task": task})[0] for e in envs]
     done = [False] * len(envs)
     infos: list[dict] = [{} for _ in envs]
+    first = trim_padding(obs[0])  # same task in every env: the same static arrays and sizes
+    static = {k: th.as_tensor(first[k])[None] for k in STATIC_KEYS}
     with th.no_grad():
+        dev_s, node_s = fe.static_embeddings(static)
         while not all(done):
             active = [i for i in range(len(envs)) if not done[i]]
             masks = {i: envs[i].action_masks() for i in active}
             choose = [i for i in active if masks[i].sum() > 1]
             logits = {}
             if choose:
-                trimmed = [trim_padding(obs[i]) for i in choose]  # same task: same sizes
+                trimmed = [trim_padding(obs[i], dynamic_only=True) for i in choose]
                 batch = {k: th.as_tensor(np.stack([o[k] for o in trimmed])) for k in trimmed[0]}
-                out = fe.action_logits_and_pooled(batch)[0].numpy().astype(np.float64)
+                b = len(choose)
+                batch.update({k: v.expand(b, *v.shape[1:]) for k, v in static.items()})
+                out = fe.logits_from_embeddings(batch, dev_s.expand(b, -1, -1), node_s.expand(b, -1, -1))[0]
+                out = out.numpy().astype(np.float64)
                 logits = {i: out[j] for j, i in enumerate(choose)}
             for i in active:
                 m = masks[i]

@@ -1,21 +1,38 @@
 """The placement policy: a graph neural network over the padded Dict observation of ``PlacementEnv``.
 
-Pieces (all plain torch, batched over the padded arrays, masks respected everywhere):
+The network is split like the observation (circuit_training's static / dynamic split): the expensive
+part sees only the **static** arrays of a task and is computed once per distinct task, the cheap part
+adds the **dynamic** state of the episode at every step.
 
-- **Device encoder** — an MLP over each device's static features and dynamic state, then rounds of
+Static part (per task; deduplicated inside a batch and cached between steps at inference):
+
+- **Device encoder** — an MLP over each device's static features and link statistics, then rounds of
   mixing in which every device averages the others weighted by the pairwise (log) bandwidth matrix,
   so that devices sharing a fast link get similar embeddings.
-- **Graph encoder** — node features + node state + "being decided" flag, plus the mean embedding of
-  the devices each node already sits on (``node_devices`` x device embeddings); then ``rounds`` of
-  message passing along *and* against the edges: messages ``MLP([h_src, edge features]) * w_e`` with
-  ``w_e`` a learned gate of the edge's bytes, gathered by ``edge_index`` and scatter-added with
-  ``index_add_``, normalised by the (masked) degree, and a residual update with LayerNorm.
+- **Graph encoder** — node features, then ``rounds`` of message passing along *and* against the
+  edges: messages ``MLP([h_src, edge features]) * w_e`` with ``w_e`` a learned gate of the edge's
+  bytes, gathered by ``edge_index`` and scatter-added with ``index_add_``, normalised by the (masked)
+  degree, and a residual update with LayerNorm.
+
+Dynamic part (every step): device embedding + MLP(device state); node embedding + MLP(node state,
+"being decided" flag) + the mean embedding of the devices the node already sits on
+(``node_devices`` x device embeddings), then ``dynamic_rounds`` (default 1) more message-passing
+rounds so a node sees where its neighbours were placed. Measured: without that round a short PPO run
+on tiny graphs got worse instead of better; with it, a PPO update on a 200-group graph is about 4x
+slower (22 s vs 5 s per 1024 steps on this 2-core machine).
+
 - **Option scorer** — for each option: ``MLP([option features, option state, mean embedding of its
   devices, embedding of the node being decided, graph summary]) -> logit``. The same weights serve
   any number of nodes, devices and options up to the padding.
 - **Global heads** — the first three decisions of an episode (microbatches, schedule, recompute) are
   scored by small heads on the graph summary; the ``phase`` one-hot picks which logits apply.
 - **Value head** — an MLP over the pooled embedding (masked mean of nodes and of devices, globals).
+
+Distinct tasks are told apart by an exact integer fingerprint of their static arrays. In a PPO minibatch the static encoders run once per distinct task and their output is
+gathered back to the rows (gradients flow through the gather, so this is exact). Without gradients
+(rollout collection, :mod:`agent.infer`) the static embeddings are also kept in a small LRU cache,
+stamped with the parameters' version counters so any optimiser step or ``load_state_dict`` discards
+them.
 
 :class:`GraphPlacementPolicy` plugs this into sb3-contrib's ``MaskableActorCriticPolicy``: the features
 extractor emits ``[per-action logits | pooled embedding]``, :class:`SplitLatent` routes the logits to
@@ -25,6 +42,8 @@ MaskablePPO's mask sets the logits of unavailable actions to ``-1e8``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import gymnasium as gym
 import torch as th
 from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
@@ -32,8 +51,8 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from torch import nn
 
 N_GLOBAL_HEADS = 3  # microbatches, schedule, recompute
-
-
+STATIC_KEYS = ("node_features", "node_mask", "edge_index", "edge_features", "edge_mask", "device_features",
+               "device_mask", "device_bandwidth", "device_latency")
 def mlp(sizes: list[int], act: type[nn.Module] = nn.SiLU, last_act: bool = False) -> nn.Sequential:
     """A plain MLP ``sizes[0] -> ... -> sizes[-1]``."""
     layers: list[nn.Module] = []
@@ -83,24 +102,29 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
     topologies than it was trained with."""
 
     def __init__(self, observation_space: gym.spaces.Dict, hidden: int = 64, rounds: int = 3,
-                 device_rounds: int = 2, prior: tuple[float, ...] | None = None):
+                 device_rounds: int = 2, prior: tuple[float, ...] | None = None, dynamic_rounds: int = 1,
+                 cache_size: int = 32):
         sp = observation_space.spaces
         self.max_options = int(sp["option_features"].shape[0])
         self.n_globals = int(sp["globals"].shape[0])
         self.n_phases = int(sp["phase"].shape[0])
         self.hidden = int(hidden)
         super().__init__(observation_space, features_dim=self.max_options + self.pooled_dim)
-        node_in = sp["node_features"].shape[1] + sp["node_state"].shape[1] + 1
-        dev_in = sp["device_features"].shape[1] + sp["device_state"].shape[1] + 3
         opt_in = sp["option_features"].shape[1] + sp["option_state"].shape[1]
         edge_dim = sp["edge_features"].shape[1]
         h = self.hidden
-        self.dev_in = mlp([dev_in, h, h], last_act=True)
+        # static encoders
+        self.dev_in = mlp([sp["device_features"].shape[1] + 3, h, h], last_act=True)
         self.dev_mix = nn.ModuleList([mlp([2 * h, h, h]) for _ in range(device_rounds)])
         self.dev_norm = nn.ModuleList([nn.LayerNorm(h) for _ in range(device_rounds)])
-        self.node_in = mlp([node_in, h, h], last_act=True)
-        self.node_dev = nn.Linear(h, h)
+        self.node_in = mlp([sp["node_features"].shape[1], h, h], last_act=True)
         self.rounds = nn.ModuleList([MessagePassing(h, edge_dim) for _ in range(rounds)])
+        # dynamic part
+        self.dev_state = mlp([sp["device_state"].shape[1], h, h])
+        self.node_state = mlp([sp["node_state"].shape[1] + 1, h, h])
+        self.node_dev = nn.Linear(h, h)
+        self.dyn_norm = nn.LayerNorm(h)
+        self.dyn_rounds = nn.ModuleList([MessagePassing(h, edge_dim) for _ in range(int(dynamic_rounds))])
         self.opt_in = mlp([opt_in, h], last_act=True)
         ctx = self.n_globals + self.n_phases
         self.scorer = mlp([4 * h + ctx, h, h, 1])
@@ -112,49 +136,135 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         for head in (self.scorer[-1], self.global_heads[-1]):  # start near the uniform policy
             nn.init.normal_(head.weight, std=1e-3)
             nn.init.zeros_(head.bias)
+        self._cache: OrderedDict[tuple, tuple[th.Tensor, th.Tensor]] = OrderedDict()
+        self._cache_size = int(cache_size)
+        self._cache_stamp: tuple | None = None
+        self._proj: dict[tuple, th.Tensor] = {}
+        self._params: list[nn.Parameter] | None = None
 
     @property
     def pooled_dim(self) -> int:
         return 2 * self.hidden + self.n_globals + self.n_phases
 
-    # ------------------------------------------------------------------ encoders
+    # ------------------------------------------------------------------ static encoders (per task)
     def encode_devices(self, obs: dict[str, th.Tensor]) -> th.Tensor:
         dmask = obs["device_mask"]
         bw = obs["device_bandwidth"] * dmask.unsqueeze(1) * dmask.unsqueeze(2)
         cnt = dmask.sum(1, keepdim=True).clamp(min=1.0)
         bw_stats = th.stack([bw.sum(2) / cnt, bw.max(2).values,
                              (obs["device_latency"] * dmask.unsqueeze(1)).sum(2) / cnt], dim=-1)
-        d = self.dev_in(th.cat([obs["device_features"], obs["device_state"], bw_stats], dim=-1))
+        d = self.dev_in(th.cat([obs["device_features"], bw_stats], dim=-1))
         w = bw / bw.sum(2, keepdim=True).clamp(min=1e-6)  # bandwidth-weighted neighbourhood
         for mix, norm in zip(self.dev_mix, self.dev_norm):
             d = norm(d + mix(th.cat([d, th.bmm(w, d)], dim=-1)))
             d = d * dmask.unsqueeze(-1)
         return d
 
-    def encode_nodes(self, obs: dict[str, th.Tensor], dev: th.Tensor) -> th.Tensor:
+    @staticmethod
+    def _edges(obs: dict[str, th.Tensor]) -> tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor, th.Tensor]:
+        """Flat (src, dst, edge features, edge mask, node mask) over the batch's node slots."""
         b, n = obs["node_mask"].shape
-        nmask = obs["node_mask"]
-        x = th.cat([obs["node_features"], obs["node_state"], obs["current_node"].unsqueeze(-1)], dim=-1)
-        nd = obs["node_devices"]
-        on_dev = th.bmm(nd, dev) / nd.sum(2, keepdim=True).clamp(min=1e-6)
-        h = (self.node_in(x) + self.node_dev(on_dev)) * nmask.unsqueeze(-1)
         ei = obs["edge_index"].long().clamp(0, n - 1)
         offset = (th.arange(b, device=ei.device) * n).view(b, 1)
         src = (ei[:, 0] + offset).reshape(-1)
         dst = (ei[:, 1] + offset).reshape(-1)
         ef = obs["edge_features"].reshape(-1, obs["edge_features"].shape[-1])
-        em = obs["edge_mask"].reshape(-1)
-        flat_mask = nmask.reshape(-1)
-        h = h.reshape(b * n, -1)
+        return src, dst, ef, obs["edge_mask"].reshape(-1), obs["node_mask"].reshape(-1)
+
+    def encode_nodes(self, obs: dict[str, th.Tensor]) -> th.Tensor:
+        b, n = obs["node_mask"].shape
+        src, dst, ef, em, flat_mask = self._edges(obs)
+        h = (self.node_in(obs["node_features"]) * obs["node_mask"].unsqueeze(-1)).reshape(b * n, -1)
         for layer in self.rounds:
             h = layer(h, src, dst, ef, em, flat_mask)
         return h.reshape(b, n, -1)
 
+    def _fingerprint(self, obs: dict[str, th.Tensor]) -> tuple[th.Tensor, int]:
+        """[B, 2] int64 fingerprints of the rows' static arrays, and the flattened length.
+
+        The float32 bit patterns times fixed random integers, summed with int64 wrap-around: exact
+        integer arithmetic, so identical rows always get identical fingerprints."""
+        b = obs["node_mask"].shape[0]
+        flat = th.cat([obs[k].reshape(b, -1).float() for k in STATIC_KEYS], dim=1).contiguous()
+        bits = flat.view(th.int32).long()
+        key = (bits.shape[1], bits.device)
+        weights = self._proj.get(key)
+        if weights is None:  # fixed (not parameters): the same in every process and run
+            gen = th.Generator().manual_seed(bits.shape[1])
+            weights = th.randint(1, 2**31 - 1, (2, bits.shape[1]), generator=gen, dtype=th.int64).to(bits.device)
+            self._proj[key] = weights
+        fp = th.stack([(bits * weights[0]).sum(1), (bits * weights[1]).sum(1)], dim=1)
+        return fp, int(bits.shape[1])
+
+    def _stamp(self) -> tuple:
+        """Changes whenever a parameter is written in place (optimiser step, load_state_dict) or moved."""
+        if self._params is None:
+            self._params = list(self.parameters())
+        return tuple((p.data_ptr(), p._version) for p in self._params)
+
+    def static_embeddings(self, obs: dict[str, th.Tensor]) -> tuple[th.Tensor, th.Tensor]:
+        """(devices [B, D, H], nodes [B, N, H]) from the static arrays, once per distinct task."""
+        fp, length = self._fingerprint(obs)
+        uniq, first, inverse = _unique_rows(fp)
+        grad = th.is_grad_enabled()
+        if not grad:
+            stamp = self._stamp()
+            if stamp != self._cache_stamp:
+                self._cache.clear()
+                self._cache_stamp = stamp
+            keys = [(length, *uniq[i].tolist()) for i in range(uniq.shape[0])]
+            missing = [i for i, k in enumerate(keys) if k not in self._cache]
+        else:
+            keys, missing = [], list(range(uniq.shape[0]))
+        computed: dict[int, tuple[th.Tensor, th.Tensor]] = {}
+        if missing:
+            rows = first[missing]
+            sub = {k: obs[k][rows] for k in STATIC_KEYS}
+            dev, nodes = self.encode_devices(sub), self.encode_nodes(sub)
+            for j, i in enumerate(missing):
+                computed[i] = (dev[j], nodes[j])
+                if not grad:
+                    self._cache[keys[i]] = computed[i]
+                    if len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+        parts = []
+        for i in range(uniq.shape[0]):
+            if i in computed:
+                parts.append(computed[i])
+            else:
+                self._cache.move_to_end(keys[i])
+                parts.append(self._cache[keys[i]])
+        dev_u = th.stack([p[0] for p in parts])
+        node_u = th.stack([p[1] for p in parts])
+        return dev_u[inverse], node_u[inverse]
+
+    # ------------------------------------------------------------------ dynamic part (per step)
+    def dynamic_embeddings(self, obs: dict[str, th.Tensor], dev_s: th.Tensor,
+                           node_s: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        dmask, nmask = obs["device_mask"].unsqueeze(-1), obs["node_mask"]
+        dev = (dev_s + self.dev_state(obs["device_state"])) * dmask
+        nd = obs["node_devices"]
+        on_dev = th.bmm(nd, dev) / nd.sum(2, keepdim=True).clamp(min=1e-6)
+        state = th.cat([obs["node_state"], obs["current_node"].unsqueeze(-1)], dim=-1)
+        nodes = self.dyn_norm(node_s + self.node_state(state) + self.node_dev(on_dev)) * nmask.unsqueeze(-1)
+        if len(self.dyn_rounds):
+            b, n = nmask.shape
+            src, dst, ef, em, flat_mask = self._edges(obs)
+            h = nodes.reshape(b * n, -1)
+            for layer in self.dyn_rounds:
+                h = layer(h, src, dst, ef, em, flat_mask)
+            nodes = h.reshape(b, n, -1)
+        return dev, nodes
+
     # ------------------------------------------------------------------ heads
     def action_logits_and_pooled(self, obs: dict[str, th.Tensor]) -> tuple[th.Tensor, th.Tensor]:
         """(logits [B, options], pooled [B, pooled_dim]) for any padding of the observation."""
-        dev = self.encode_devices(obs)
-        nodes = self.encode_nodes(obs, dev)
+        return self.logits_from_embeddings(obs, *self.static_embeddings(obs))
+
+    def logits_from_embeddings(self, obs: dict[str, th.Tensor], dev_s: th.Tensor,
+                               node_s: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """As :meth:`action_logits_and_pooled`, given the static embeddings of the rows' tasks."""
+        dev, nodes = self.dynamic_embeddings(obs, dev_s, node_s)
         g_nodes = masked_mean(nodes, obs["node_mask"])
         g_dev = masked_mean(dev, obs["device_mask"])
         ctx = th.cat([obs["globals"], obs["phase"]], dim=-1)
@@ -169,7 +279,7 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         place_logits = self.scorer(rows).squeeze(-1)
         if self.option_prior is not None:
             place_logits = place_logits + obs["option_state"] @ self.option_prior
-        glob = self.global_heads(th.cat([g_nodes, g_dev, ctx], dim=-1)).view(-1, N_GLOBAL_HEADS, self.max_options)
+        glob = self.global_heads(pooled).view(-1, N_GLOBAL_HEADS, self.max_options)
         if k >= self.max_options:
             glob = nn.functional.pad(glob, (0, k - self.max_options))
         else:
@@ -182,6 +292,14 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
     def forward(self, observations: dict[str, th.Tensor]) -> th.Tensor:
         logits, pooled = self.action_logits_and_pooled(observations)
         return th.cat([logits, pooled], dim=-1)
+
+
+def _unique_rows(fp: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+    """(unique rows, index of each unique row's first occurrence, inverse map) of ``fp`` [B, 2] int64."""
+    uniq, inverse = th.unique(fp, dim=0, return_inverse=True)
+    first = th.full((uniq.shape[0],), fp.shape[0], dtype=th.long, device=fp.device)
+    first.scatter_reduce_(0, inverse, th.arange(fp.shape[0], device=fp.device), reduce="amin")
+    return uniq, first, inverse
 
 
 class SplitLatent(nn.Module):
@@ -207,19 +325,20 @@ class SplitLatent(nn.Module):
 class GraphPlacementPolicy(MaskableActorCriticPolicy):
     """MaskablePPO actor-critic whose action logits are the GNN's per-option scores.
 
-    ``policy_kwargs``: ``hidden`` (embedding width), ``rounds`` (message-passing rounds),
-    ``device_rounds``, ``value_hidden`` and ``prior`` (initial weights of the option-state prior, or
+    ``policy_kwargs``: ``hidden`` (embedding width), ``rounds`` (static message-passing rounds),
+    ``dynamic_rounds`` (per-step rounds), ``device_rounds``, ``value_hidden`` and ``prior`` (initial weights of the option-state prior, or
     None for none); the rest as ``MaskableActorCriticPolicy``."""
 
     def __init__(self, observation_space: gym.spaces.Dict, action_space: gym.spaces.Discrete, lr_schedule,
                  hidden: int = 64, rounds: int = 3, device_rounds: int = 2, value_hidden: int = 64,
-                 prior: tuple[float, ...] | None = None, **kwargs):
+                 prior: tuple[float, ...] | None = None, dynamic_rounds: int = 1, **kwargs):
         self.value_hidden = int(value_hidden)
         kwargs.setdefault("ortho_init", False)  # the extractor initialises its output heads itself
         kwargs["features_extractor_class"] = GraphPlacementExtractor
         kwargs["features_extractor_kwargs"] = {"hidden": int(hidden), "rounds": int(rounds),
                                                "device_rounds": int(device_rounds),
-                                               "prior": None if prior is None else tuple(prior)}
+                                               "prior": None if prior is None else tuple(prior),
+                                               "dynamic_rounds": int(dynamic_rounds)}
         kwargs.pop("net_arch", None)
         super().__init__(observation_space, action_space, lr_schedule, **kwargs)
 
@@ -239,7 +358,7 @@ class GraphPlacementPolicy(MaskableActorCriticPolicy):
         data.pop("net_arch", None)
         data.update(hidden=fk.get("hidden", 64), rounds=fk.get("rounds", 3),
                     device_rounds=fk.get("device_rounds", 2), value_hidden=self.value_hidden,
-                    prior=fk.get("prior"))
+                    prior=fk.get("prior"), dynamic_rounds=fk.get("dynamic_rounds", 1))
         return data
 
 

@@ -95,6 +95,19 @@ class TrainConfig:
         return dict(self.raw.get("policy") or {})
 
     @property
+    def imitation(self) -> dict | None:
+        """The imitation warm-start settings, or None without an ``imitation`` section."""
+        sec = self.raw.get("imitation")
+        if not sec:
+            return None
+        if not isinstance(sec, dict):
+            return {"epochs": 20, "batch_size": 128}
+        unknown = set(sec) - {"epochs", "batch_size"}
+        if unknown:
+            raise TrainError(f"unknown imitation setting(s) {sorted(unknown)}; known: batch_size, epochs")
+        return {"epochs": int(sec.get("epochs", 20)), "batch_size": int(sec.get("batch_size", 128))}
+
+    @property
     def callbacks(self) -> dict:
         return {"eval_freq": 2048, "checkpoint_freq": 10_000, "baselines": True, "n_eval_episodes": None,
                 **(self.raw.get("callbacks") or {})}
@@ -116,13 +129,16 @@ def load_config(path: str | os.PathLike | dict, name: str | None = None) -> Trai
         cname = name or str(raw.get("name", p.stem))
     if not isinstance(raw, dict):
         raise TrainError("a training config must be a mapping")
-    known = {"name", "seed", "n_envs", "total_timesteps", "env", "tasks", "eval_tasks", "policy", "ppo", "callbacks"}
+    known = {"name", "seed", "n_envs", "total_timesteps", "env", "tasks", "eval_tasks", "policy", "ppo", "callbacks",
+             "imitation"}
     unknown = set(raw) - known
     if unknown:
         raise TrainError(f"unknown config section(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
     if not raw.get("tasks"):
         raise TrainError("the config needs a 'tasks' section")
-    return TrainConfig(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", cname), raw=raw)
+    cfg = TrainConfig(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", cname), raw=raw)
+    cfg.imitation  # noqa: B018 - validates the section now, not after the baselines ran
+    return cfg
 
 
 # ---------------------------------------------------------------------- tasks
@@ -256,6 +272,8 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         cb_cfg = cfg.callbacks
         best_cb = BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"),
                                    baselines=bool(cb_cfg["baselines"]), log=say)
+        if not resume and cfg.imitation is not None:
+            _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say)
         callbacks = [best_cb, HParamCallback(cfg), CheckpointCallback(
             save_freq=max(1, int(cb_cfg["checkpoint_freq"]) // cfg.n_envs), save_path=str(run / "checkpoints"),
             name_prefix="model")]
@@ -284,6 +302,25 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
             eval_env.close()
     return TrainResult(run_dir=run, model_path=model_path, num_timesteps=int(model.num_timesteps), best=best,
                        seconds=time.time() - t0)
+
+
+def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, best_cb, run: Path, say) -> dict:
+    """Clone the best heuristic plans before PPO; the heuristic table also feeds the best-plan callback."""
+    import json
+
+    from agent.imitation import best_heuristic_plans, warm_start
+    from envs.graph import atomic_write_json
+
+    t = time.perf_counter()
+    plans = best_heuristic_plans(tasks, kw.get("objective", "step_time"), seed=cfg.seed)
+    say(f"baselines for {len(tasks)} task(s) in {time.perf_counter() - t:.1f}s")
+    best_cb.heuristic.update({name: {"placer": placer, "step_time": st, "oom": oom}
+                              for name, (placer, _plan, st, oom) in plans.items()})
+    report = warm_start(model, tasks, kw, plans=plans, seed=cfg.seed, log=say, **cfg.imitation)
+    atomic_write_json(run / "imitation.json", json.loads(json.dumps(report, default=float)))
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    model.save(run / "checkpoints" / "model_0_steps.zip")  # the cloned policy, before any PPO step
+    return report
 
 
 # ---------------------------------------------------------------------- evaluation helpers

@@ -668,6 +668,58 @@ class PlacementEnv(gym.Env):
         return {"task_id": self._p.task.name, "phase": PHASES[self._phase()] if self._t < self._horizon else "done",
                 "num_groups": self._n}
 
+    def demo_action(self, target: Plan) -> int:
+        """The allowed action now that best expresses ``target`` (a plan on the task's operator graph or
+        on the groups the agent places): used to replay heuristic plans as demonstrations.
+
+        Global phases take the plan's microbatch count (the nearest allowed choice), schedule and
+        recompute (majority). A node takes the option with the plan's (devices, layout, dp) for it (a
+        coarsened graph's group takes its members' majority, ``Grouping.project``); if that option is
+        not in the table or not allowed now, the allowed option closest to it: same devices, then same
+        layout, then most shared devices, then same dp."""
+        if self._p is None or self._t >= self._horizon:
+            raise RlplaceError("demo_action needs an episode in progress (call reset())")
+        p = self._p
+        plan = self._demo_target(target)
+        allowed = np.flatnonzero(self._mask)
+        phase = self._phase()
+        if phase == 0:
+            want = np.log2(max(int(plan.microbatches), 1))
+            dist = [abs(np.log2(self.microbatch_choices[a]) - want) for a in allowed]
+            return int(allowed[int(np.argmin(dist))])
+        if phase in (1, 2):
+            a = SCHEDULES.index(plan.schedule) if phase == 1 else int(2 * plan.recompute.sum() > plan.num_nodes)
+            return a if self._mask[a] else int(allowed[0])
+        v = self._node()
+        key = (tuple(int(d) for d in plan.groups[v]), plan.layouts[v], int(plan.dp[v]))
+        o = p.extra.setdefault("lookup", p.options.lookup()).get(key)
+        if o is not None and self._mask[o]:
+            return int(o)
+        want = set(key[0])
+        lay = LAYOUTS.index(key[1])
+
+        def closeness(a: int) -> tuple:
+            devs = set(p.options.groups[a])
+            return (devs == want, int(p.options.layout[a]) == lay, len(devs & want) / len(devs | want),
+                    int(p.options.dp[a]) == key[2])
+
+        return int(max(allowed.tolist(), key=closeness))
+
+    def _demo_target(self, target: Plan) -> Plan:
+        p = self._p
+        hit = p.extra.get("demo")
+        if hit is not None and hit[0] is target:
+            return hit[1]
+        if p.grouping is not None and target.num_nodes == p.task.graph.num_nodes:
+            plan = p.grouping.project(target)
+        elif target.num_nodes == p.graph.num_nodes:
+            plan = target
+        else:
+            raise EnvError(f"the demonstration plan has {target.num_nodes} nodes; task {p.task.name!r} has "
+                           f"{p.task.graph.num_nodes} ops and {p.graph.num_nodes} groups")
+        p.extra["demo"] = (target, plan)
+        return plan
+
     # ------------------------------------------------------------------ conveniences
     @property
     def task(self) -> Task | None:

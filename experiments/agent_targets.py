@@ -1,6 +1,6 @@
 """Measure the three agent targets (PPO vs heuristics, zero-shot transfer, placement latency).
 
-    python -m experiments.agent_targets --target a [--minutes 15] [--out experiments/results/agent_targets]
+    python -m experiments.agent_targets --target a [--minutes 15] [--seed S] [--warm-start ZIP] [--tag _s1]
     python -m experiments.agent_targets --target b [--minutes 15] [--side zeroshot|specialist|both]
     python -m experiments.agent_targets --target c [--groups 500] [--samples 8]
 
@@ -104,7 +104,8 @@ def make_stop_and_track_callback(deadline_s: float):
     """An SB3 callback that stops ``learn`` after ``deadline_s`` seconds and tracks the best plan per task.
 
     ``best[task] = {"step_time", "oom", "plan", "t", "timestep"}`` (fits in memory first, then fastest);
-    ``curve[task]`` lists ``(seconds, timesteps, best_step_time)`` at every improvement."""
+    ``curve[task]`` lists ``(seconds, timesteps, best_step_time)`` at every improvement and
+    ``history[task]`` every finished episode's ``(seconds, step_time, oom)``."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class StopOnTimeBestPlan(BaseCallback):
@@ -113,13 +114,17 @@ def make_stop_and_track_callback(deadline_s: float):
             self.t0 = time.perf_counter()
             self.best: dict[str, dict] = {}
             self.curve: dict[str, list] = {}
+            self.history: dict[str, list] = {}  # every finished episode: (seconds, step_time, oom)
             self.episodes = 0
 
         def _on_training_start(self) -> None:
             self.t0 = time.perf_counter()
 
+        offset = 0.0  # seconds spent before learn() (imitation warm start), counted in the budget
+        imitation = None
+
         def elapsed(self) -> float:
-            return time.perf_counter() - self.t0
+            return time.perf_counter() - self.t0 + self.offset
 
         def _on_step(self) -> bool:
             for info in self.locals.get("infos", []):
@@ -127,18 +132,22 @@ def make_stop_and_track_callback(deadline_s: float):
                     continue
                 self.episodes += 1
                 task, st, oom = info["task_id"], float(info["step_time"]), bool(info["oom"])
+                self.history.setdefault(task, []).append((round(self.elapsed(), 2), st, oom))
                 cur = self.best.get(task)
                 if cur is None or (oom, st) < (cur["oom"], cur["step_time"]):
                     self.best[task] = {"step_time": st, "oom": oom, "plan": info["plan"], "t": self.elapsed(),
                                        "timestep": int(self.num_timesteps)}
                     self.curve.setdefault(task, []).append((self.elapsed(), int(self.num_timesteps), st, oom))
-            return self.elapsed() < deadline_s  # False ends model.learn()
+            return self.elapsed() - self.offset < deadline_s  # False ends model.learn()
 
     return StopOnTimeBestPlan()
 
 
-def train_for(config_name: str, minutes: float, seed: int):
-    """PPO on a config's tasks for ``minutes`` of wall clock; returns (model, tracker, cfg, tasks)."""
+def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | None = None):
+    """PPO on a config's tasks for ``minutes`` of wall clock; returns (model, tracker, cfg, tasks).
+
+    ``warm_start``: a model zip whose policy weights initialise this run (the GNN is padding-agnostic,
+    so a policy trained with other padding fits as long as widths and the option count agree)."""
     from sb3_contrib import MaskablePPO
 
     from agent.policy import GraphPlacementPolicy
@@ -152,7 +161,20 @@ def train_for(config_name: str, minutes: float, seed: int):
     try:
         model = MaskablePPO(GraphPlacementPolicy, venv, seed=seed, device="cpu", verbose=0,
                             policy_kwargs=cfg.policy, **cfg.ppo)
-        tracker = make_stop_and_track_callback(minutes * 60.0)
+        t_start = time.perf_counter()
+        if warm_start is not None:
+            src = MaskablePPO.load(warm_start, device="cpu")
+            model.policy.load_state_dict(src.policy.state_dict())
+            print(f"[{config_name}] warm start from {warm_start}")
+        imitation = None
+        if cfg.imitation is not None:  # its time counts against the budget
+            from agent.imitation import warm_start as imitate
+
+            imitation = imitate(model, tasks, cfg.env, seed=seed, log=print, **cfg.imitation)
+        spent = time.perf_counter() - t_start
+        tracker = make_stop_and_track_callback(minutes * 60.0 - spent)
+        tracker.offset = spent
+        tracker.imitation = imitation
         # an effectively unbounded step target: the callback's clock ends training
         model.learn(total_timesteps=10**9, callback=tracker, progress_bar=False)
     finally:
@@ -196,6 +218,15 @@ def heuristic_best(task, mcmc_seconds: float, seed: int) -> dict:
             "all_ms": {c.name: ms(c.step_time) for c in sorted(cands, key=lambda c: c.key())}}
 
 
+def _per_minute_median(history: list, h_time: float) -> list[dict]:
+    """Median of ``h_time / step_time`` over the episodes that ended in each minute of training."""
+    by_min: dict[int, list[float]] = {}
+    for sec, st, _oom in history:
+        by_min.setdefault(int(sec // 60) + 1, []).append(h_time / st)
+    return [{"minute": m, "episodes": len(v), "median_ratio": round(float(np.median(v)), 4)}
+            for m, v in sorted(by_min.items())]
+
+
 # ---------------------------------------------------------------------- (a) PPO vs heuristics on ~200 groups
 def target_a(args) -> dict:
     from agent.train import build_tasks, load_config
@@ -209,7 +240,7 @@ def target_a(args) -> dict:
     h_time = heur["step_time"]
     print(f"(a) best heuristic: {heur['winner']} {h_time * 1e3:.3f} ms (all: {heur['all_ms']})")
 
-    model, tracker, cfg, _ = train_for("target_a", args.minutes, args.seed)
+    model, tracker, cfg, _ = train_for("target_a", args.minutes, args.seed, args.warm_start)
     best = tracker.best.get(task.name)
     curve = [{"seconds": round(s, 2), "timesteps": n, "best_ms": ms(st), "oom": oom, "ratio": round(h_time / st, 4)}
              for s, n, st, oom in tracker.curve.get(task.name, [])]
@@ -217,14 +248,19 @@ def target_a(args) -> dict:
     ppo_time = min([final.step_time] + ([best["step_time"]] if best and not best["oom"] else []))
     ratio = h_time / ppo_time
     out = {"target": "a", "task": task.name, "ops": len(task.graph.names), "max_groups": cfg.env["max_nodes"],
-           "minutes": args.minutes, "seed": args.seed, "timesteps": int(model.num_timesteps),
+           "minutes": args.minutes, "seed": args.seed,
+           "warm_start": None if args.warm_start is None else str(args.warm_start),
+           "imitation": None if tracker.imitation is None else
+           {k: v for k, v in tracker.imitation.items() if k != "demonstrations"} |
+           {"demonstration": tracker.imitation["demonstrations"]}, "timesteps": int(model.num_timesteps),
            "episodes": tracker.episodes, "heuristic": {**heur, "step_time_ms": ms(h_time)},
            "ppo_best_training_ms": ms(best["step_time"]) if best else None,
            "ppo_best_training_oom": best["oom"] if best else None,
            "ppo_final_policy_ms": ms(final.step_time), "ppo_final_policy_oom": final.oom,
            "ppo_final_rollouts": {"samples": args.samples, "seconds": round(roll_s, 2)},
            "ppo_best_ms": ms(ppo_time),
-           "ratio_heuristic_over_ppo": round(ratio, 4), "ppo_beats_heuristic": ratio > 1.0, "curve": curve}
+           "ratio_heuristic_over_ppo": round(ratio, 4), "ppo_beats_heuristic": ratio > 1.0, "curve": curve,
+           "episode_ratio_median_per_minute": _per_minute_median(tracker.history.get(task.name, []), h_time)}
     print(f"(a) best PPO {ppo_time * 1e3:.3f} ms vs {heur['winner']} {h_time * 1e3:.3f} ms: "
           f"ratio heuristic/PPO = {ratio:.4f}")
 
@@ -234,11 +270,18 @@ def target_a(args) -> dict:
         xs = [c["seconds"] for c in curve] + [tracker.elapsed()]
         ys = [c["ratio"] for c in curve] + [curve[-1]["ratio"]]
         ax.step(xs, ys, where="post", label="best training episode")
+    hist = tracker.history.get(task.name, [])
+    if hist:
+        ax.plot([h[0] for h in hist], [h_time / h[1] for h in hist], ".", ms=2, alpha=0.3, color="C0",
+                label="every training episode")
+        med = out["episode_ratio_median_per_minute"]
+        ax.plot([m["minute"] * 60 for m in med], [m["median_ratio"] for m in med], "-", color="C1",
+                label="median episode, per minute")
     ax.axhline(1.0, color="k", ls="--", lw=1, label="heuristic")
     ax.axhline(ratio, color="C2", ls=":", label=f"final (incl. greedy+{args.samples}): {ratio:.3f}")
     ax.legend()
-    write_json(args.out / "target_a.json", out)
-    write_png(args.out / "target_a.png", fig)
+    write_json(args.out / f"target_a{args.tag}.json", out)
+    write_png(args.out / f"target_a{args.tag}.png", fig)
     return out
 
 
@@ -359,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=8, help="sampled rollouts besides the greedy one")
     ap.add_argument("--mcmc-seconds", type=float, default=20.0, help="(a) MCMC budget for the heuristic side")
     ap.add_argument("--side", choices=["zeroshot", "specialist", "both"], default="both", help="(b) which side(s)")
+    ap.add_argument("--warm-start", type=Path, default=None,
+                    help="(a) initialise the policy from this model zip (e.g. agent/pretrained/placement_policy.zip)")
+    ap.add_argument("--tag", default="", help="suffix of the output files (target_a<tag>.json), to keep several runs")
     ap.add_argument("--groups", type=int, default=500, help="(c) graph size in groups")
     args = ap.parse_args(argv)
     args.out = Path(args.out)

@@ -2,8 +2,10 @@
 
     python experiments/train_pretrained.py [--steps N] [--run-dir runs/pretrained]
 
-Trains ``experiments/configs/pretrained.yaml``, copies the final model zip (policy and optimizer
-state, about 2.7 MB) to ``agent/pretrained/placement_policy.zip``, and prints, for every training and
+Trains ``experiments/configs/pretrained.yaml`` (imitation warm start, then PPO), picks among the
+imitation checkpoint, the PPO checkpoints and the final model the one with the best mean greedy score
+on the *training* tasks, copies it (policy and optimizer state, about 2.8 MB) to
+``agent/pretrained/placement_policy.zip``, and prints, for every training and
 held-out task, the policy's greedy score (log of the reference time over the plan's) and its best
 plan (greedy + 4 samples) against the best fast heuristic; the table is also written to
 ``RUN_DIR/pretrained_report.json``.
@@ -35,14 +37,27 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     res = train(cfg, run_dir=args.run_dir, total_steps=args.steps, progress=not args.no_progress)
     print(f"trained {res.num_timesteps} steps in {res.seconds:.0f}s -> {res.model_path}")
-    PRETRAINED.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(res.model_path, PRETRAINED)
-    print(f"shipped {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
 
     from sb3_contrib import MaskablePPO
 
+    # model selection on the *training* tasks only: the imitation checkpoint, every PPO checkpoint and
+    # the final model, by mean greedy score (later wins ties); the held-out tasks stay held out
+    train_tasks = build_tasks(cfg.raw["tasks"], seed=cfg.seed)
+    ckpts = sorted(Path(res.run_dir, "checkpoints").glob("model_*_steps.zip"), key=lambda p: int(p.stem.split("_")[1]))
+    selection = []
+    for path in ckpts + [res.model_path]:
+        mean = float(greedy_scores(MaskablePPO.load(path, device="cpu"), train_tasks, cfg.env).mean())
+        selection.append({"model": str(path.name), "mean_greedy_score": round(mean, 4)})
+        print(f"  {path.name:28s} mean greedy score on the training tasks {mean:+.4f}")
+    pick = max(range(len(selection)), key=lambda i: (selection[i]["mean_greedy_score"], i))
+    chosen = (ckpts + [res.model_path])[pick]
+    PRETRAINED.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(chosen, PRETRAINED)
+    print(f"shipped {chosen.name} as {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
+
     model = MaskablePPO.load(PRETRAINED, device="cpu")
-    report = {"steps": res.num_timesteps, "train_seconds": round(res.seconds, 1), "tasks": {}}
+    report = {"steps": res.num_timesteps, "train_seconds": round(res.seconds, 1), "shipped": chosen.name,
+              "selection": selection, "tasks": {}}
     for split in ("tasks", "eval_tasks"):
         tasks = build_tasks(cfg.raw[split], seed=cfg.seed)
         scores = greedy_scores(model, tasks, cfg.env)

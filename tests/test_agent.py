@@ -30,7 +30,7 @@ TINY = {
     "env": {"max_nodes": 8, "max_devices": 4, "objective": "step_time"},
     "tasks": {"builtin": ["gpt-tiny", "mlp-chain"], "topologies": ["pcie-4gpu"]},
     "eval_tasks": {"builtin": ["moe-wide"], "topologies": ["pcie-4gpu"]},
-    "policy": {"hidden": 32, "rounds": 2, "device_rounds": 1, "value_hidden": 32},
+    "policy": {"hidden": 32, "rounds": 2, "device_rounds": 1, "value_hidden": 32, "dynamic_rounds": 1},
     "ppo": {"learning_rate": 1e-3, "n_steps": 256, "batch_size": 64, "n_epochs": 4, "gamma": 1.0},
     "callbacks": {"eval_freq": 512, "checkpoint_freq": 512, "baselines": True},
 }
@@ -70,6 +70,101 @@ def test_policy_is_padding_agnostic():
     assert th.isfinite(logits).all() and th.isfinite(pooled).all()
     info = rollout(model, big, big.task, deterministic=True)
     assert info["plan"].num_nodes == big.task.graph.num_nodes
+
+
+def test_static_embeddings_deduplicated_and_cached_exactly():
+    """Rows of the same task share one static GNN pass (with and without gradients), the inference
+    cache gives the same logits as a fresh pass, and an optimiser step or a state-dict load
+    invalidates it."""
+    import torch as th
+
+    from envs.placement_env import PlacementEnv
+    from envs.tasks import default_tasks
+
+    tasks = default_tasks("pcie-4gpu", names=["gpt-tiny", "mlp-chain"])
+    env = PlacementEnv(tasks, max_nodes=8, max_devices=4)
+    model = MaskablePPO(GraphPlacementPolicy, env, seed=0, device="cpu", n_steps=64, batch_size=32,
+                        policy_kwargs={"hidden": 16, "rounds": 2, "dynamic_rounds": 1})
+    fe = model.policy.features_extractor
+    rows = []
+    for task in tasks:
+        obs, _ = env.reset(options={"task": task})
+        rows.append(obs)
+        for _ in range(4):  # later steps: same static arrays, different dynamic state
+            obs, *_ = env.step(int(np.flatnonzero(env.action_masks())[0]))
+            rows.append(obs)
+    batch = {k: th.as_tensor(np.stack([r[k] for r in rows])) for k in rows[0]}
+    fp, _ = fe._fingerprint(batch)
+    assert th.unique(fp, dim=0).shape[0] == 2
+    alone = th.cat([fe.action_logits_and_pooled({k: v[i:i + 1] for k, v in batch.items()})[0]
+                    for i in range(len(rows))])
+    together = fe.action_logits_and_pooled(batch)[0]  # gradients on: deduplicated, not cached
+    assert th.allclose(alone, together, atol=1e-5)
+    with th.no_grad():
+        fresh = fe.action_logits_and_pooled(batch)[0]
+        assert len(fe._cache) == 2
+        cached = fe.action_logits_and_pooled(batch)[0]
+    assert th.equal(fresh, cached)
+    together.sum().backward()
+    model.policy.optimizer.step()
+    with th.no_grad():
+        after = fe.action_logits_and_pooled(batch)[0]
+    fe._cache.clear()
+    with th.no_grad():
+        recomputed = fe.action_logits_and_pooled(batch)[0]
+    assert th.equal(after, recomputed) and not th.equal(after, cached)
+    state = {k: v.clone() for k, v in model.policy.state_dict().items()}
+    with th.no_grad():
+        for p in model.policy.parameters():
+            p.add_(0.01)
+        fe.action_logits_and_pooled(batch)
+    model.policy.load_state_dict(state)
+    with th.no_grad():
+        assert th.equal(fe.action_logits_and_pooled(batch)[0], after)
+
+
+def test_shipped_policy_loads_and_places():
+    """The pretrained policy matches the current policy classes and places a built-in graph."""
+    from agent.infer import PRETRAINED, load_policy
+    from envs.placement_env import PlacementEnv
+    from envs.tasks import default_tasks
+
+    model = load_policy(PRETRAINED)
+    shape = model_shape(model)
+    tasks = default_tasks("dgx-a100-80g", names=["gpt-medium"])
+    env = PlacementEnv(tasks, **shape)
+    info = rollout(model, env, tasks[0], deterministic=True)
+    info["plan"].validate(tasks[0].graph, tasks[0].topology)
+
+
+def test_imitation_clones_the_best_heuristic(tmp_path):
+    """Behaviour cloning the replayed heuristic plans lowers the cross-entropy and makes the greedy
+    policy score like the demonstrations; a config's imitation section runs it and writes a report."""
+    from agent.imitation import behaviour_clone, best_heuristic_plans, collect
+    from envs.placement_env import PlacementEnv
+
+    cfg = load_config(dict(TINY))
+    tasks = build_tasks(cfg.raw["tasks"])
+    plans = best_heuristic_plans(tasks, "step_time")
+    assert set(plans) == {t.name for t in tasks}
+    demos = collect(tasks, cfg.env, plans)
+    assert all(len(d.actions) == len(d.obs) == len(d.masks) > 3 for d in demos)
+    model = MaskablePPO(GraphPlacementPolicy, PlacementEnv(tasks, **cfg.env), seed=0, device="cpu",
+                        policy_kwargs=cfg.policy, **cfg.ppo)
+    before = greedy_scores(model, tasks, cfg.env)
+    stats = behaviour_clone(model, demos, epochs=200, batch_size=32)  # 20 steps: one update per epoch
+    assert stats["last_loss"] < 0.5 * stats["first_loss"] and stats["greedy_agreement"] >= 0.85
+    after = greedy_scores(model, tasks, cfg.env)
+    target = np.array([d.score for d in demos])
+    assert np.abs(after - target).sum() <= np.abs(before - target).sum() + 1e-9
+    assert np.allclose(after, target, atol=0.05), (after, target)
+
+    run_cfg = load_config({**TINY, "total_timesteps": 256, "imitation": {"epochs": 5}, "eval_tasks": None})
+    res = train(run_cfg, run_dir=tmp_path / "imit", progress=False, log=None)
+    report = __import__("json").loads((res.run_dir / "imitation.json").read_text())
+    assert report["epochs"] == 5 and len(report["demonstrations"]) == len(tasks)
+    with pytest.raises(Exception, match="imitation"):
+        load_config({**TINY, "imitation": {"epoch": 3}})
 
 
 def test_training_improves_greedy_reward(run):
