@@ -692,7 +692,10 @@ class PlacementEnv(gym.Env):
             return a if self._mask[a] else int(allowed[0])
         v = self._node()
         key = (tuple(int(d) for d in plan.groups[v]), plan.layouts[v], int(plan.dp[v]))
-        o = p.extra.setdefault("lookup", p.options.lookup()).get(key)
+        look = p.extra.get("lookup")
+        if look is None:  # built once per task, not at every decision
+            look = p.extra["lookup"] = p.options.lookup()
+        o = look.get(key)
         if o is not None and self._mask[o]:
             return int(o)
         want = set(key[0])

@@ -100,8 +100,9 @@ def ms(seconds: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------- wall-clock PPO training
-def make_stop_and_track_callback(deadline_s: float):
-    """An SB3 callback that stops ``learn`` after ``deadline_s`` seconds and tracks the best plan per task.
+def make_stop_and_track_callback(deadline_s: float, offset_s: float = 0.0):
+    """An SB3 callback that stops ``learn`` once ``offset_s`` (time already spent before ``learn``, e.g. the
+    imitation warm start) plus its own running time reach ``deadline_s``; it tracks the best plan per task.
 
     ``best[task] = {"step_time", "oom", "plan", "t", "timestep"}`` (fits in memory first, then fastest);
     ``curve[task]`` lists ``(seconds, timesteps, best_step_time)`` at every improvement and
@@ -116,15 +117,13 @@ def make_stop_and_track_callback(deadline_s: float):
             self.curve: dict[str, list] = {}
             self.history: dict[str, list] = {}  # every finished episode: (seconds, step_time, oom)
             self.episodes = 0
+            self.imitation: dict | None = None
 
         def _on_training_start(self) -> None:
             self.t0 = time.perf_counter()
 
-        offset = 0.0  # seconds spent before learn() (imitation warm start), counted in the budget
-        imitation = None
-
         def elapsed(self) -> float:
-            return time.perf_counter() - self.t0 + self.offset
+            return time.perf_counter() - self.t0 + offset_s
 
         def _on_step(self) -> bool:
             for info in self.locals.get("infos", []):
@@ -138,7 +137,7 @@ def make_stop_and_track_callback(deadline_s: float):
                     self.best[task] = {"step_time": st, "oom": oom, "plan": info["plan"], "t": self.elapsed(),
                                        "timestep": int(self.num_timesteps)}
                     self.curve.setdefault(task, []).append((self.elapsed(), int(self.num_timesteps), st, oom))
-            return self.elapsed() - self.offset < deadline_s  # False ends model.learn()
+            return self.elapsed() < deadline_s  # False ends model.learn()
 
     return StopOnTimeBestPlan()
 
@@ -171,9 +170,7 @@ def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | No
             from agent.imitation import warm_start as imitate
 
             imitation = imitate(model, tasks, cfg.env, seed=seed, log=print, **cfg.imitation)
-        spent = time.perf_counter() - t_start
-        tracker = make_stop_and_track_callback(minutes * 60.0 - spent)
-        tracker.offset = spent
+        tracker = make_stop_and_track_callback(minutes * 60.0, offset_s=time.perf_counter() - t_start)
         tracker.imitation = imitation
         # an effectively unbounded step target: the callback's clock ends training
         model.learn(total_timesteps=10**9, callback=tracker, progress_bar=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -52,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     pick = max(range(len(selection)), key=lambda i: (selection[i]["mean_greedy_score"], i))
     chosen = (ckpts + [res.model_path])[pick]
     PRETRAINED.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(chosen, PRETRAINED)
+    tmp = PRETRAINED.with_name(f".{PRETRAINED.name}.tmp")
+    shutil.copyfile(chosen, tmp)
+    os.replace(tmp, PRETRAINED)  # never a half-written shipped policy
     print(f"shipped {chosen.name} as {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
 
     model = MaskablePPO.load(PRETRAINED, device="cpu")
