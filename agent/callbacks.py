@@ -1,6 +1,7 @@
 """Training callbacks: best plan per task, TensorBoard scalars / Gantt images / hparams, progress bar.
 
-- :class:`BestPlanCallback` watches finished episodes (``info["plan"]``), keeps each task's best plan
+- :class:`BestPlanCallback` watches finished episodes (``info["plan"]``, and in refine mode the best
+  plan visited on the way, ``info["best_plan"]``), keeps each task's best plan
   (fits in memory first, then fastest) and writes it to ``plans/<task>.json`` whenever it improves
   (``plans/best.json`` indexes them, so a resumed run keeps its bests). At every rollout end it logs
   ``task/<task>/best_step_time_ms``, ``.../speedup_vs_ref`` (over the env's reference plan),
@@ -45,6 +46,15 @@ def figure_to_array(fig) -> np.ndarray:
     arr = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return arr
+
+
+def episode_plans(info: dict) -> list[tuple[Plan, float, bool]]:
+    """``(plan, step_time, oom)`` of a finished episode's final plan and, in refine mode, of the best plan
+    the episode visited on the way (``info["best_plan"]``)."""
+    out = [(info["plan"], float(info["step_time"]), bool(info["oom"]))]
+    if "best_plan" in info:
+        out.append((info["best_plan"], float(info["best_step_time"]), bool(info["best_oom"])))
+    return out
 
 
 class BestPlanCallback(BaseCallback):
@@ -108,8 +118,8 @@ class BestPlanCallback(BaseCallback):
             self.episodes += 1
             self.scores.append(float(info.get("score", 0.0)))
             self.ooms.append(bool(info.get("oom", False)))
-            self.offer(info["task_id"], info["plan"], float(info["step_time"]), float(info["ref_time"]),
-                       bool(info["oom"]))
+            for plan, step_time, oom in episode_plans(info):
+                self.offer(info["task_id"], plan, step_time, float(info["ref_time"]), oom)
         return True
 
     def offer(self, task: str, plan: Plan, step_time: float, ref_time: float, oom: bool) -> bool:

@@ -191,9 +191,31 @@ def load_policy(path: str | os.PathLike | None = None):
         hint = "" if path is not None else " (train one with `python experiments/train_pretrained.py`)"
         raise PlaceError(f"policy file not found: {p}{hint}")
     try:
-        return MaskablePPO.load(p, device="cpu")
+        model = MaskablePPO.load(p, device="cpu")
     except Exception as exc:  # a corrupt zip, a pickle of unknown classes, ...
         raise PlaceError(f"cannot load policy {p}: {exc}") from exc
+    model.episode_kwargs = run_episode_kwargs(p)
+    return model
+
+
+EPISODE_KEYS = ("mode", "refine_init", "refine_passes", "order")
+
+
+def run_episode_kwargs(policy_path: Path) -> dict:
+    """How the policy's training run built its episodes (``mode``, ``refine_*``, ``order`` of the run's
+    ``config.yaml``, next to ``model.zip`` or one level above a checkpoint), so a policy trained in
+    refine mode also places in refine mode; ``{}`` when there is no run config (the shipped policy)."""
+    import yaml
+
+    for d in (policy_path.parent, policy_path.parent.parent):
+        cfg = d / "config.yaml"
+        if cfg.is_file():
+            try:
+                env = (yaml.safe_load(cfg.read_text()) or {}).get("env") or {}
+            except yaml.YAMLError as exc:
+                raise PlaceError(f"{cfg}: not valid yaml ({exc})") from exc
+            return {k: env[k] for k in EPISODE_KEYS if k in env}
+    return {}
 
 
 def model_shape(model) -> dict:
@@ -291,7 +313,7 @@ def _placement_env(model, task, objective: str, max_groups: int | None, evaluato
     n_groups = int(max_groups) if max_groups is not None else shape["max_nodes"]
     nd = max(shape["max_devices"], task.topology.num_devices)
     fits = n_groups == shape["max_nodes"] and nd == shape["max_devices"]
-    kw = dict(max_nodes=n_groups, max_devices=nd, objective=objective)
+    kw = dict(max_nodes=n_groups, max_devices=nd, objective=objective, **getattr(model, "episode_kwargs", {}))
     if fits:
         kw.update(max_edges=shape["max_edges"], max_options=shape["max_options"])
     try:
@@ -324,9 +346,12 @@ def policy_candidates(model, env, task, graph: OpGraph, objective: str, samples:
     out = []
     for i, info in enumerate(infos):
         name = f"{label} greedy" if i == 0 else f"{label} sample {i}"
-        c = evaluate_candidate(name, "policy", info["plan"], graph, task.topology, objective, evaluator, per)
-        if c is not None:
-            out.append(c)
+        plans = [(name, info["plan"])] + ([(f"{name} (best visited)", info["best_plan"])] if "best_plan" in info
+                                          else [])
+        for label_i, plan in plans:
+            c = evaluate_candidate(label_i, "policy", plan, graph, task.topology, objective, evaluator, per)
+            if c is not None:
+                out.append(c)
     return out
 
 

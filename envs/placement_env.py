@@ -59,7 +59,9 @@ global choices, ``action_mask``) updated incrementally; every step returns fresh
 **info**: ``task_id``, ``phase``, ``num_groups`` on every step; at the end also ``step_time``,
 ``ref_time``, ``ref_plan``, ``score``, ``peak_memory`` (per device), ``memory_capacity``, ``oom``, ``plan`` (a
 :class:`envs.plan.Plan` on operators), ``plan_json`` (its dict) and ``group_plan`` (the plan on groups);
-in refine mode every step also carries ``score``, ``step_time`` and ``oom`` of the current plan.
+in refine mode every step also carries ``score``, ``step_time`` and ``oom`` of the current plan, and
+the last step ``best_plan``, ``best_step_time``, ``best_oom`` and ``best_score``: the best plan any step
+of the episode visited (every one was evaluated), which a search keeps even when later steps undo it.
 
 **Bad input** (graph above ``max_nodes`` with ``coarsen=False``, a topology with more than
 ``max_devices`` devices, more options than ``max_options``, more edges than ``max_edges``, no
@@ -471,6 +473,7 @@ class PlacementEnv(gym.Env):
                 self._put(v, int(init["assign"][v]))
             self._score = init["score"]
             self._horizon = n * self.refine_passes
+            self._best_visit = None
         self._write_globals()
         self._prepare_decision()
         return self._obs(), self._info()
@@ -518,6 +521,9 @@ class PlacementEnv(gym.Env):
             self._score = s
             final = (res, s)
             info_extra.update({"score": s, "step_time": float(res.step_time), "oom": bool(res.oom)})
+            key = (bool(res.oom), float(res.step_time))
+            if self._best_visit is None or key < self._best_visit[0]:
+                self._best_visit = (key, self._assign.copy(), res)
         elif done:
             res = self._evaluate(p, self._current_plan())
             s = score(res, self._ref["time"])
@@ -546,6 +552,8 @@ class PlacementEnv(gym.Env):
                          "ref_plan": self._ref["plan"], "score": s, "peak_memory": res.peak_memory.copy(),
                          "memory_capacity": res.memory_capacity.copy(), "oom": bool(res.oom), "plan": full,
                          "plan_json": full.to_dict(), "group_plan": plan})
+            if self.mode == "refine":
+                info.update(self._best_visited(p))
         return self._obs(), float(reward), bool(done), False, info
 
     def action_masks(self) -> np.ndarray:
@@ -654,6 +662,17 @@ class PlacementEnv(gym.Env):
         if self._recompute >= 0:
             gl[nm + 2 + self._recompute] = 1
         gl[-1] = self._t / max(self._horizon, 1)
+
+    def _best_visited(self, p: _Prepared) -> dict:
+        """Refine mode: the best plan any step of this episode produced (``best_*`` info keys)."""
+        (oom, step_time), assign, res = self._best_visit
+        plan = self._plan(assign, self.microbatch_choices[self._mb_idx], SCHEDULES[self._sched],
+                          bool(self._recompute))
+        full = p.grouping.expand(plan) if p.grouping is not None else plan
+        full.provenance.update({"predicted_step_time": step_time, "objective": self.objective,
+                                "predicted_peak_memory": [float(x) for x in res.peak_memory]})
+        return {"best_plan": full, "best_step_time": step_time, "best_oom": oom,
+                "best_score": score(res, self._ref["time"])}
 
     def _current_plan(self) -> Plan:
         return self._plan(self._assign, self.microbatch_choices[self._mb_idx], SCHEDULES[self._sched],

@@ -182,6 +182,22 @@ def rollout_from(env, obs, rng):
     return total, steps, info
 
 
+def test_refine_mode_reports_the_best_plan_it_visited(small_tasks):
+    env = PlacementEnv(small_tasks, mode="refine", seed=1)
+    ev = SimulatorEvaluator()
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        obs, _ = env.reset()
+        seen, done = [], False
+        while not done:
+            obs, _, done, _, info = env.step(int(rng.choice(np.flatnonzero(env.action_masks()))))
+            seen.append((info["oom"], info["step_time"]))
+        assert (info["best_oom"], info["best_step_time"]) == min(seen)
+        res = ev.evaluate(env.task.graph, env.task.topology, info["best_plan"])
+        assert np.isclose(res.step_time, info["best_step_time"])
+        info["best_plan"].validate(env.task.graph, env.task.topology)
+
+
 def test_refine_start_is_the_best_heuristic(small_tasks):
     env = PlacementEnv(small_tasks[:1], mode="refine")
     env.reset(seed=0)
