@@ -10,8 +10,9 @@ starts, :func:`warm_start`
    the allowed option closest to the plan at every decision, so the replay is the plan as far as the
    option table can express it; its simulated time is recorded next to the heuristic's);
 3. behaviour-clones the demonstrations: cross-entropy of the masked policy on the demonstrated actions
-   plus ``vf_coef`` x the squared error of the value head against the demonstration's return (the
-   episode's final score, gamma = 1), with the policy's own optimiser for ``epochs`` passes.
+   plus ``vf_coef`` x the squared error of the value head against the demonstration's discounted
+   return from each step (the model's gamma; with gamma = 1 in place mode, the final score), with the
+   policy's own optimiser for ``epochs`` passes.
 
 PPO then explores around the heuristic instead of from scratch; the training curve and the best plans
 are PPO's own. Config section (all optional): ``imitation: {epochs: 20, batch_size: 128}``.
@@ -36,10 +37,19 @@ class Demonstration:
     source: str  # the placer whose plan was replayed
     heuristic_time: float  # the placer's plan, simulated on the operator graph
     replay_time: float  # the replayed episode's plan, as the environment scores it
-    score: float  # the episode's return
+    score: float  # the final plan's score
     obs: list[dict[str, np.ndarray]] = field(repr=False, default_factory=list)
     masks: list[np.ndarray] = field(repr=False, default_factory=list)
     actions: list[int] = field(repr=False, default_factory=list)
+    rewards: list[float] = field(repr=False, default_factory=list)
+
+    def returns(self, gamma: float) -> np.ndarray:
+        """The discounted return from every step (the value head's regression target)."""
+        out, g = np.zeros(len(self.rewards)), 0.0
+        for i in range(len(self.rewards) - 1, -1, -1):
+            g = self.rewards[i] + gamma * g
+            out[i] = g
+        return out
 
 
 def best_heuristic_plans(tasks: Sequence, objective: str = "step_time", seed: int = 0) -> dict[str, tuple[str, Plan,
@@ -69,6 +79,7 @@ def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = floa
         demo.masks.append(mask)
         demo.actions.append(a)
         obs, reward, done, _, info = env.step(a)
+        demo.rewards.append(float(reward))
     demo.replay_time = float(info["step_time"])
     demo.score = float(info["score"])
     return demo
@@ -89,7 +100,8 @@ def behaviour_clone(model, demos: Sequence[Demonstration], *, epochs: int = 20, 
 
     say = log or (lambda _m: None)
     policy = model.policy
-    steps = [(o, m, a, d.score) for d in demos for o, m, a in zip(d.obs, d.masks, d.actions)]
+    gamma = float(getattr(model, "gamma", 1.0))
+    steps = [(o, m, a, g) for d in demos for o, m, a, g in zip(d.obs, d.masks, d.actions, d.returns(gamma))]
     if not steps or epochs < 1:
         return {"steps": len(steps), "epochs": 0}
     obs = {k: th.as_tensor(np.stack([s[0][k] for s in steps])) for k in steps[0][0]}

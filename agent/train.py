@@ -18,6 +18,8 @@ A config (``experiments/configs/NAME.yaml``) has these sections, all optional ex
     policy: {hidden: 64, rounds: 3}
     ppo:   {learning_rate: 3.0e-4, n_steps: 256, batch_size: 128, n_epochs: 4, gamma: 1.0, ...}
     callbacks: {eval_freq: 2048, checkpoint_freq: 10000, baselines: true}
+    imitation: {epochs: 20, batch_size: 128}           # clone the best heuristic plans first (agent.imitation)
+    self_imitation: {every: 4, epochs: 5}              # clone the best plan found so far (agent.self_imitation)
 
 Every run lives in a run directory (default ``runs/NAME``): ``config.yaml``, ``model.zip`` (final),
 ``checkpoints/``, ``best/`` (best eval model), ``plans/`` (best plan per task, JSON) and ``tb/`` (the
@@ -108,6 +110,20 @@ class TrainConfig:
         return {"epochs": int(sec.get("epochs", 20)), "batch_size": int(sec.get("batch_size", 128))}
 
     @property
+    def self_imitation(self) -> dict | None:
+        """The self-imitation settings (agent/self_imitation.py), or None without the section."""
+        from agent.self_imitation import SETTINGS
+
+        sec = self.raw.get("self_imitation")
+        if not sec:
+            return None
+        sec = sec if isinstance(sec, dict) else {}
+        unknown = set(sec) - set(SETTINGS)
+        if unknown:
+            raise TrainError(f"unknown self_imitation setting(s) {sorted(unknown)}; known: {', '.join(SETTINGS)}")
+        return {k: int(sec.get(k, v)) for k, v in SETTINGS.items()}
+
+    @property
     def callbacks(self) -> dict:
         return {"eval_freq": 2048, "checkpoint_freq": 10_000, "baselines": True, "n_eval_episodes": None,
                 **(self.raw.get("callbacks") or {})}
@@ -130,7 +146,7 @@ def load_config(path: str | os.PathLike | dict, name: str | None = None) -> Trai
     if not isinstance(raw, dict):
         raise TrainError("a training config must be a mapping")
     known = {"name", "seed", "n_envs", "total_timesteps", "env", "tasks", "eval_tasks", "policy", "ppo", "callbacks",
-             "imitation"}
+             "imitation", "self_imitation"}
     unknown = set(raw) - known
     if unknown:
         raise TrainError(f"unknown config section(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
@@ -138,6 +154,7 @@ def load_config(path: str | os.PathLike | dict, name: str | None = None) -> Trai
         raise TrainError("the config needs a 'tasks' section")
     cfg = TrainConfig(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", cname), raw=raw)
     cfg.imitation  # noqa: B018 - validates the section now, not after the baselines ran
+    cfg.self_imitation  # noqa: B018
     return cfg
 
 
@@ -285,6 +302,11 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
                                                deterministic=True, verbose=0))
         else:
             callbacks.append(GanttCallback(best_cb, eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs)))
+        if cfg.self_imitation is not None:
+            from agent.self_imitation import SelfImitationCallback
+
+            callbacks.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed,
+                                                   **cfg.self_imitation))
         if progress:
             callbacks.append(ProgressCallback(best_cb, target))
         if remaining > 0:
@@ -325,18 +347,19 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
 
 # ---------------------------------------------------------------------- evaluation helpers
 def greedy_scores(model, tasks: Sequence, kwargs: dict) -> np.ndarray:
-    """The reward (score) of the policy's deterministic plan on each task (one episode per task)."""
+    """The score of the policy's deterministic plan on each task (one episode per task; the final plan's
+    ``info["score"]``, which in refine mode is not the last step's reward)."""
     from envs.placement_env import PlacementEnv
 
     env = PlacementEnv(list(tasks), **kwargs)
     out = []
     for task in tasks:
         obs, _ = env.reset(options={"task": task})
-        done, r = False, 0.0
+        done, info = False, {}
         while not done:
             a, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=True)
-            obs, r, done, _, _ = env.step(int(a))
-        out.append(r)
+            obs, _, done, _, info = env.step(int(a))
+        out.append(float(info["score"]))
     return np.array(out)
 
 

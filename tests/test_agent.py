@@ -167,6 +167,47 @@ def test_imitation_clones_the_best_heuristic(tmp_path):
         load_config({**TINY, "imitation": {"epoch": 3}})
 
 
+def test_self_imitation_makes_the_greedy_policy_reproduce_the_best_plan(tmp_path):
+    """Cloning the best plan so far (here: a random refine episode's plan) between updates makes the
+    greedy refine episode end in that plan; a config's self_imitation section wires it into train."""
+    from agent.self_imitation import SelfImitationCallback
+    from envs.placement_env import PlacementEnv
+
+    refine = {**TINY, "env": {**TINY["env"], "mode": "refine", "refine_init": "single_device"},
+              "ppo": {**TINY["ppo"], "gamma": 0.0}, "eval_tasks": None}
+    cfg = load_config(refine)
+    tasks = build_tasks(cfg.raw["tasks"])[:1]
+    env = PlacementEnv(tasks, **cfg.env)
+    rng = np.random.default_rng(0)
+    env.reset(seed=0)
+    done = False
+    while not done:
+        _, _, done, _, info = env.step(int(rng.choice(np.flatnonzero(env.action_masks()))))
+    assert not info["oom"]
+    best = {tasks[0].name: {"plan": info["plan"], "step_time": info["step_time"], "oom": False}}
+    model = MaskablePPO(GraphPlacementPolicy, env, seed=0, device="cpu", policy_kwargs=cfg.policy, **cfg.ppo)
+    before = greedy_scores(model, tasks, cfg.env)[0]
+    from stable_baselines3.common.logger import Logger
+
+    model.set_logger(Logger(None, []))
+    cb = SelfImitationCallback(tasks, cfg.env, lambda: best, every=1, epochs=150, batch_size=32)
+    cb.init_callback(model)
+    cb.on_rollout_start()  # the first rollout has nothing to clone
+    assert cb.rounds == 0
+    cb.on_rollout_start()
+    assert cb.rounds == 1 and cb.last["last_loss"] < cb.last["first_loss"]
+    after = greedy_scores(model, tasks, cfg.env)[0]
+    assert abs(after - info["score"]) < abs(before - info["score"]) + 1e-9
+    assert np.isclose(after, info["score"], atol=0.02), (before, after, info["score"])
+
+    res = train(load_config({**refine, "total_timesteps": 768, "self_imitation": {"every": 1, "epochs": 2}}),
+                run_dir=tmp_path / "sil", progress=False, log=None)
+    tags = _scalar_tags(res.run_dir)
+    assert "self_imitation/greedy_agreement" in tags
+    with pytest.raises(Exception, match="self_imitation"):
+        load_config({**TINY, "self_imitation": {"epoch": 3}})
+
+
 def test_training_improves_greedy_reward(run):
     """Greedy-plan reward on the training tasks: after a short run > the untrained policy (same seed)."""
     res = run["res"]
@@ -203,10 +244,11 @@ def test_save_load_identical_greedy_plans(run, tmp_path):
     assert json.loads(json.dumps(plans)) == fresh
 
 
-def test_tensorboard_has_custom_scalars_and_image(run):
+def _tb_tags(run_dir: Path) -> tuple[set, set]:
+    """The scalar and image tags of a run's first TensorBoard curve."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    files = glob.glob(str(run["run_dir"] / "tb" / "PPO_1" / "events.out.tfevents.*"))
+    files = glob.glob(str(run_dir / "tb" / "PPO_1" / "events.out.tfevents.*"))
     assert files
     scalars, images = set(), set()
     for f in files:
@@ -214,6 +256,15 @@ def test_tensorboard_has_custom_scalars_and_image(run):
         ea.Reload()
         scalars |= set(ea.Tags()["scalars"])
         images |= set(ea.Tags()["images"])
+    return scalars, images
+
+
+def _scalar_tags(run_dir: Path) -> set:
+    return _tb_tags(run_dir)[0]
+
+
+def test_tensorboard_has_custom_scalars_and_image(run):
+    scalars, images = _tb_tags(run["run_dir"])
     for tag in ("rollout/oom_rate", "rollout/mean_best_speedup", "rollout/mean_speedup_vs_heuristic",
                 "train/entropy", "eval/mean_reward"):
         assert tag in scalars, tag
@@ -257,6 +308,31 @@ def test_place_never_worse_than_baselines(run):
     # a larger padding than the policy was trained with (more groups and devices) still works
     big = place(g, resolve_topology("dgx-a100-80g"), model=model, samples=0, max_groups=16, baselines=False)
     assert big.best.kind == "policy" and model_shape(model)["max_nodes"] == 8
+
+
+def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
+    """A policy whose run config says ``mode: refine`` places by refining (best visited plan kept too)."""
+    import shutil
+
+    import yaml
+
+    from agent.infer import load_policy
+    from envs.tasks import load_builtin_graph
+    from envs.topology import resolve_topology
+
+    d = tmp_path / "refine-run"
+    d.mkdir()
+    shutil.copy(run["res"].model_path, d / "model.zip")
+    assert load_policy(d / "model.zip").episode_kwargs == {}  # no run config: place mode
+    (d / "config.yaml").write_text(yaml.safe_dump({"env": {"mode": "refine", "refine_init": "data_parallel",
+                                                           "max_nodes": 8}}))
+    model = load_policy(d / "model.zip")
+    assert model.episode_kwargs == {"mode": "refine", "refine_init": "data_parallel"}
+    g, topo = load_builtin_graph("gpt-tiny"), resolve_topology("pcie-4gpu")
+    res = place(g, topo, model=model, samples=1, seed=0, baselines=False)
+    names = [c.name for c in res.candidates]
+    assert "policy greedy (best visited)" in names and "policy sample 1 (best visited)" in names
+    res.plan.validate(g, topo)
 
 
 def test_place_cli_writes_plan_and_gantt(run, tmp_path):
