@@ -244,9 +244,12 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         dmask, nmask = obs["device_mask"].unsqueeze(-1), obs["node_mask"]
         dev = (dev_s + self.dev_state(obs["device_state"])) * dmask
         nd = obs["node_devices"]
-        on_dev = th.bmm(nd, dev) / nd.sum(2, keepdim=True).clamp(min=1e-6)
+        # node_dev(mean of the node's device embeddings), with the linear map applied to the few devices
+        # before the averaging (the same affine function, without a [B, N, h] x [h, h] product)
+        dev_w = nn.functional.linear(dev, self.node_dev.weight)
+        on_dev = th.bmm(nd, dev_w) / nd.sum(2, keepdim=True).clamp(min=1e-6) + self.node_dev.bias
         state = th.cat([obs["node_state"], obs["current_node"].unsqueeze(-1)], dim=-1)
-        nodes = self.dyn_norm(node_s + self.node_state(state) + self.node_dev(on_dev)) * nmask.unsqueeze(-1)
+        nodes = self.dyn_norm(node_s + _rowwise(self.node_state, state) + on_dev) * nmask.unsqueeze(-1)
         if len(self.dyn_rounds):
             b, n = nmask.shape
             src, dst, ef, em, flat_mask = self._edges(obs)
@@ -292,6 +295,24 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
     def forward(self, observations: dict[str, th.Tensor]) -> th.Tensor:
         logits, pooled = self.action_logits_and_pooled(observations)
         return th.cat([logits, pooled], dim=-1)
+
+
+def _rowwise(f: nn.Module, x: th.Tensor) -> th.Tensor:
+    """``f(x)`` for a row-wise ``f`` over [..., d] inputs, evaluated once per distinct row: node states
+    take few distinct values (unassigned, or one per option), so this skips most of the rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    # rows are grouped by a float64 random projection (th.unique over rows sorts them: ~50x slower),
+    # then checked against their group's representative, so a collision falls back to every row
+    proj = th.linspace(1.0, 2.0, flat.shape[-1], dtype=th.float64, device=x.device) ** 0.5 + 0.1234567
+    keys, inverse = th.unique(flat.detach().double() @ proj, return_inverse=True)
+    if keys.shape[0] * 2 > flat.shape[0]:
+        return f(x)
+    rep = th.empty(keys.shape[0], dtype=th.long, device=x.device).scatter_(
+        0, inverse, th.arange(flat.shape[0], device=x.device))
+    uniq = flat[rep]
+    if not th.equal(uniq[inverse], flat):
+        return f(x)
+    return f(uniq)[inverse].reshape(*x.shape[:-1], -1)
 
 
 def _unique_rows(fp: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
