@@ -18,10 +18,13 @@ _FALLBACK = {
     "tasks": {"builtin": ["gpt-tiny", "gpt-small", "mlp-chain", "branching-cnn"],
               "topologies": ["dgx-a100-80g", "pcie-4gpu"]},
     "eval_tasks": {"builtin": ["moe-wide"], "topologies": ["dgx-a100-80g"]},
-    "policy": {"hidden": 48, "rounds": 3, "device_rounds": 1, "value_hidden": 48, "prior": [-1.0, -4.0, 3.0]},
+    "policy": {"hidden": 48, "rounds": 3, "device_rounds": 1, "dynamic_rounds": 0, "value_hidden": 48,
+               "prior": [-1.0, -4.0, 3.0]},
     "ppo": {"learning_rate": 5e-4, "n_steps": 256, "batch_size": 128, "n_epochs": 4, "gamma": 1.0,
             "ent_coef": 0.005},
     "callbacks": {"eval_freq": 4096, "checkpoint_freq": 8000, "baselines": True},
+    "imitation": {"epochs": 50, "batch_size": 128},
+    "self_imitation": {"every": 4, "epochs": 5, "batch_size": 128},
 }
 
 
