@@ -117,7 +117,12 @@ class Plan:
             raise PlanError(f"global batch {batch} is not divisible by {self.microbatches} microbatches")
         mb = batch // self.microbatches
         nd = topology.num_devices
-        for i, (g, lay) in enumerate(zip(self.groups, self.layouts)):
+        seen: set[tuple] = set()  # a (group, layout, dp, caps) passes or fails wherever it appears
+        for i, (g, lay, dp, caps) in enumerate(zip(self.groups, self.layouts, self.dp.tolist(),
+                                                  graph.layout_caps.tolist())):
+            if (g, lay, dp, caps) in seen:
+                continue
+            seen.add((g, lay, dp, caps))
             who = f"node {graph.names[i]!r}"
             if not g:
                 raise PlanError(f"{who}: empty device group")
@@ -127,10 +132,8 @@ class Plan:
                 raise PlanError(f"{who}: device group {g} is outside the topology's {nd} devices")
             if lay not in LAYOUTS:
                 raise PlanError(f"{who}: unknown layout {lay!r}; choose one of {', '.join(LAYOUTS)}")
-            dp = int(self.dp[i])
             if dp < 1 or len(g) % dp:
                 raise PlanError(f"{who}: dp={dp} does not divide its group of {len(g)} devices")
-            caps = int(graph.layout_caps[i])
             if lay == "single" and len(g) != 1:
                 raise PlanError(f"{who}: layout 'single' needs exactly one device, got {g}")
             if lay == "batch_split" and dp != len(g):

@@ -11,6 +11,7 @@ microbatch) it equals the paper's max-load.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -204,7 +205,13 @@ def check_restrictions(graph: OpGraph, topology: Topology, plan: Plan) -> None:
 
 
 def layout_ok(graph: OpGraph, v: int, layout: str, group_size: int, dp: int) -> bool:
-    caps = int(graph.layout_caps[v])
+    return caps_allow(int(graph.layout_caps[v]), layout, group_size, dp)
+
+
+def caps_allow(caps: int, layout: str, group_size: int, dp: int) -> bool:
+    """Whether layout capability bits ``caps`` allow ``layout`` on ``group_size`` devices with data-parallel
+    degree ``dp``. Every test is on single bits, so for a set of nodes it holds for all of them exactly
+    when it holds for the bitwise AND of their caps."""
     if layout == "single":
         return group_size == 1
     if layout == "batch_split":
@@ -218,20 +225,40 @@ def layout_ok(graph: OpGraph, v: int, layout: str, group_size: int, dp: int) -> 
     return layout == "replicate"
 
 
+_UNIT_TABLES: dict[int, tuple] = {}
+
+
+def _unit_table(graph: OpGraph) -> tuple[list[np.ndarray], list[int]]:
+    """(nodes of every unit, the bitwise AND of its nodes' layout caps), once per graph object (the
+    placers call :func:`enforce_constraints` for every candidate plan of the same graph)."""
+    hit = _UNIT_TABLES.get(id(graph))
+    if (hit is not None and hit[0]() is graph and np.array_equal(hit[1], graph.colocation)
+            and np.array_equal(hit[2], graph.layout_caps)):  # the arrays may be replaced in place
+        return hit[3]
+    _, members = units(graph)
+    caps = np.asarray(graph.layout_caps, dtype=np.int64)
+    table = (members, [int(np.bitwise_and.reduce(caps[m])) for m in members])
+    if len(_UNIT_TABLES) >= 64:
+        _UNIT_TABLES.clear()
+    _UNIT_TABLES[id(graph)] = (weakref.ref(graph), graph.colocation.copy(), caps.copy(), table)
+    return table
+
+
 def enforce_constraints(graph: OpGraph, topology: Topology, plan: Plan) -> Plan:
     """Make ``plan`` respect co-location classes and CPU-only nodes: each class takes the group and
     layout of its first member (in topological order) if every member can use them, else the class runs
     ``single`` on that group's first device; CPU-only nodes (and their classes) move to the first CPU."""
     groups, layouts, dps = list(plan.groups), list(plan.layouts), plan.dp.copy()
-    allowed = allowed_devices(graph, topology)
-    unit, members = units(graph)
+    restricted = bool(graph.meta.get("cpu_only"))
+    allowed = allowed_devices(graph, topology) if restricted else None
+    members, unit_caps = _unit_table(graph)
     cpus = [i for i, d in enumerate(topology.devices) if d.kind == "cpu"]
-    for nodes in members:
+    for nodes, caps in zip(members, unit_caps):
         first = int(nodes[0])
         g, lay, dp = groups[first], layouts[first], int(dps[first])
-        if not all(allowed[v, list(g)].all() for v in nodes):
+        if restricted and not allowed[np.ix_(nodes, list(g))].all():
             g, lay, dp = ((cpus[0],) if cpus else (g[0],)), "single", 1
-        elif not all(layout_ok(graph, int(v), lay, len(g), dp) for v in nodes):
+        elif not caps_allow(caps, lay, len(g), dp):
             g, lay, dp = (g[0],), "single", 1
         for v in nodes:
             groups[v], layouts[v], dps[v] = g, lay, dp
