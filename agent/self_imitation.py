@@ -8,7 +8,10 @@ tracker keeps it) is replayed as a demonstration (:func:`agent.imitation.collect
 few epochs (:func:`agent.imitation.behaviour_clone`), so the greedy policy reproduces the best plan
 and PPO explores around it. It runs at the start of a rollout (after the previous PPO update, so the
 buffer's log-probabilities stay the policy's own) whenever a best plan improved, and every
-``every`` rollouts otherwise. Config section: ``self_imitation: {every: 4, epochs: 5, batch_size: 128}``.
+``every`` rollouts otherwise. With an ``imitation`` warm start the imitated heuristic plans count as
+known bests (:func:`known_from_imitation`), so PPO cannot drift below the heuristic it cloned without
+being pulled back, and a better plan it finds takes over. Config section:
+``self_imitation: {every: 4, epochs: 5, batch_size: 128}``.
 """
 
 from __future__ import annotations
@@ -20,12 +23,24 @@ from stable_baselines3.common.callbacks import BaseCallback
 SETTINGS = {"every": 4, "epochs": 5, "batch_size": 128}
 
 
+def known_from_imitation(report: dict, plans: dict) -> dict:
+    """The imitated heuristic plans as ``known`` bests: task -> ``{"plan", "step_time", "oom"}`` with the
+    time the environment gave the replayed plan (the scale PPO's own episodes are measured on)."""
+    out = {}
+    for d in report.get("demonstrations", []):
+        _name, plan, _time, oom = plans[d["task"]]
+        out[d["task"]] = {"plan": plan, "step_time": float(d["replay_ms"]) / 1e3, "oom": bool(oom)}
+    return out
+
+
 class SelfImitationCallback(BaseCallback):
     """Clones ``best()`` (task name -> ``{"plan", "step_time", "oom"}``) between PPO updates."""
 
     def __init__(self, tasks: Sequence, env_kwargs: dict, best: Callable[[], dict], *, every: int = 4,
-                 epochs: int = 5, batch_size: int = 128, seed: int = 0, log: Callable[[str], None] | None = None):
+                 epochs: int = 5, batch_size: int = 128, seed: int = 0, known: dict | None = None,
+                 log: Callable[[str], None] | None = None):
         super().__init__()
+        self.known = dict(known or {})  # plans known before training (the imitated heuristics), same keys
         self.tasks = list(tasks)
         self.env_kwargs = dict(env_kwargs)
         self.best = best
@@ -48,6 +63,9 @@ class SelfImitationCallback(BaseCallback):
         if self.rollouts == 1:  # nothing found yet
             return
         best = {k: v for k, v in self.best().items() if not v["oom"]}
+        for k, v in self.known.items():  # PPO's best replaces a known plan only when it is better
+            if not v["oom"] and (k not in best or v["step_time"] < best[k]["step_time"]):
+                best[k] = v
         keys = {k: (v["oom"], v["step_time"]) for k, v in best.items()}
         improved = any(self._cloned.get(k) != key for k, key in keys.items())
         if not best or not (improved or self.rollouts % self.every == 0):
@@ -70,4 +88,4 @@ class SelfImitationCallback(BaseCallback):
             self.logger.record("self_imitation/rounds", self.rounds)
 
 
-__all__ = ["SelfImitationCallback", "SETTINGS"]
+__all__ = ["SelfImitationCallback", "SETTINGS", "known_from_imitation"]

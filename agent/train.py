@@ -289,8 +289,9 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         cb_cfg = cfg.callbacks
         best_cb = BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"),
                                    baselines=bool(cb_cfg["baselines"]), log=say)
+        known = {}
         if not resume and cfg.imitation is not None:
-            _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say)
+            known = _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say)
         callbacks = [best_cb, HParamCallback(cfg), CheckpointCallback(
             save_freq=max(1, int(cb_cfg["checkpoint_freq"]) // cfg.n_envs), save_path=str(run / "checkpoints"),
             name_prefix="model")]
@@ -305,7 +306,7 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         if cfg.self_imitation is not None:
             from agent.self_imitation import SelfImitationCallback
 
-            callbacks.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed,
+            callbacks.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed, known=known,
                                                    **cfg.self_imitation))
         if progress:
             callbacks.append(ProgressCallback(best_cb, target))
@@ -327,10 +328,12 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
 
 
 def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, best_cb, run: Path, say) -> dict:
-    """Clone the best heuristic plans before PPO; the heuristic table also feeds the best-plan callback."""
+    """Clone the best heuristic plans before PPO; the heuristic table also feeds the best-plan callback.
+    Returns the cloned plans as self-imitation's known bests."""
     import json
 
     from agent.imitation import best_heuristic_plans, warm_start
+    from agent.self_imitation import known_from_imitation
     from envs.graph import atomic_write_json
 
     t = time.perf_counter()
@@ -342,7 +345,7 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
     atomic_write_json(run / "imitation.json", json.loads(json.dumps(report, default=float)))
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)
     model.save(run / "checkpoints" / "model_0_steps.zip")  # the cloned policy, before any PPO step
-    return report
+    return known_from_imitation(report, plans)
 
 
 # ---------------------------------------------------------------------- evaluation helpers

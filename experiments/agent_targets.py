@@ -175,19 +175,22 @@ def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | No
             print(f"[{config_name}] warm start from {warm_start}")
         imitation = None
         if cfg.imitation is not None:  # its time counts against the budget
+            from agent.imitation import best_heuristic_plans
             from agent.imitation import warm_start as imitate
 
-            imitation = imitate(model, tasks, cfg.env, seed=seed, log=print, **cfg.imitation)
+            plans = best_heuristic_plans(tasks, cfg.env.get("objective", "step_time"), seed)
+            imitation = imitate(model, tasks, cfg.env, seed=seed, plans=plans, log=print, **cfg.imitation)
         tracker = make_stop_and_track_callback(minutes * 60.0, offset_s=time.perf_counter() - t_start)
         tracker.imitation = imitation
         callbacks = [tracker]
         if cfg.self_imitation is not None:
             from stable_baselines3.common.callbacks import CallbackList
 
-            from agent.self_imitation import SelfImitationCallback
+            from agent.self_imitation import SelfImitationCallback, known_from_imitation
 
+            known = known_from_imitation(imitation, plans) if imitation is not None else {}
             tracker.self_imitation = SelfImitationCallback(tasks, cfg.env, lambda: tracker.best, seed=seed,
-                                                           **cfg.self_imitation)
+                                                           known=known, **cfg.self_imitation)
             callbacks.append(tracker.self_imitation)
             callbacks = [CallbackList(callbacks)]
         # an effectively unbounded step target: the callback's clock ends training

@@ -199,6 +199,13 @@ def test_self_imitation_makes_the_greedy_policy_reproduce_the_best_plan(tmp_path
     after = greedy_scores(model, tasks, cfg.env)[0]
     assert abs(after - info["score"]) < abs(before - info["score"]) + 1e-9
     assert np.isclose(after, info["score"], atol=0.02), (before, after, info["score"])
+    # a plan known before training (an imitated heuristic) is cloned while PPO has found nothing better
+    worse = {tasks[0].name: {**best[tasks[0].name], "step_time": info["step_time"] * 2}}
+    known = SelfImitationCallback(tasks, cfg.env, lambda: worse, known=best, every=1, epochs=1)
+    known.init_callback(model)
+    known.on_rollout_start()
+    known.on_rollout_start()
+    assert known.rounds == 1 and known._cloned == {tasks[0].name: (False, info["step_time"])}
 
     res = train(load_config({**refine, "total_timesteps": 768, "self_imitation": {"every": 1, "epochs": 2}}),
                 run_dir=tmp_path / "sil", progress=False, log=None)
