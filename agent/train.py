@@ -117,11 +117,18 @@ class TrainConfig:
         sec = self.raw.get("self_imitation")
         if not sec:
             return None
-        sec = sec if isinstance(sec, dict) else {}
+        if sec is True:
+            sec = {}
+        if not isinstance(sec, dict):
+            raise TrainError(f"self_imitation must be a mapping of {', '.join(SETTINGS)} (or true), got {sec!r}")
         unknown = set(sec) - set(SETTINGS)
         if unknown:
             raise TrainError(f"unknown self_imitation setting(s) {sorted(unknown)}; known: {', '.join(SETTINGS)}")
-        return {k: int(sec.get(k, v)) for k, v in SETTINGS.items()}
+        out = {k: sec.get(k, v) for k, v in SETTINGS.items()}
+        bad = {k: v for k, v in out.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad:
+            raise TrainError(f"self_imitation settings must be integers >= 1, got {bad}")
+        return out
 
     @property
     def callbacks(self) -> dict:

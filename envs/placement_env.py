@@ -544,10 +544,7 @@ class PlacementEnv(gym.Env):
         info.update(info_extra)
         if done:
             res, s = final
-            plan = self._current_plan()
-            full = p.grouping.expand(plan) if p.grouping is not None else plan
-            full.provenance.update({"predicted_step_time": float(res.step_time), "objective": self.objective,
-                                    "predicted_peak_memory": [float(x) for x in res.peak_memory]})
+            plan, full = self._plans_of(p, self._assign, res)
             info.update({"step_time": float(res.step_time), "ref_time": self._ref["time"],
                          "ref_plan": self._ref["plan"], "score": s, "peak_memory": res.peak_memory.copy(),
                          "memory_capacity": res.memory_capacity.copy(), "oom": bool(res.oom), "plan": full,
@@ -666,17 +663,23 @@ class PlacementEnv(gym.Env):
     def _best_visited(self, p: _Prepared) -> dict:
         """Refine mode: the best plan any step of this episode produced (``best_*`` info keys)."""
         (oom, step_time), assign, res = self._best_visit
-        plan = self._plan(assign, self.microbatch_choices[self._mb_idx], SCHEDULES[self._sched],
-                          bool(self._recompute))
-        full = p.grouping.expand(plan) if p.grouping is not None else plan
-        full.provenance.update({"predicted_step_time": step_time, "objective": self.objective,
-                                "predicted_peak_memory": [float(x) for x in res.peak_memory]})
-        return {"best_plan": full, "best_step_time": step_time, "best_oom": oom,
+        return {"best_plan": self._plans_of(p, assign, res)[1], "best_step_time": step_time, "best_oom": oom,
                 "best_score": score(res, self._ref["time"])}
 
-    def _current_plan(self) -> Plan:
-        return self._plan(self._assign, self.microbatch_choices[self._mb_idx], SCHEDULES[self._sched],
+    def _plans_of(self, p: _Prepared, assign: np.ndarray, res: EvalResult) -> tuple[Plan, Plan]:
+        """(plan on groups, plan on operators with the evaluation in its provenance) of an assignment."""
+        plan = self._assignment_plan(assign)
+        full = p.grouping.expand(plan) if p.grouping is not None else plan
+        full.provenance.update({"predicted_step_time": float(res.step_time), "objective": self.objective,
+                                "predicted_peak_memory": [float(x) for x in res.peak_memory]})
+        return plan, full
+
+    def _assignment_plan(self, assign: np.ndarray) -> Plan:
+        return self._plan(assign, self.microbatch_choices[self._mb_idx], SCHEDULES[self._sched],
                           bool(self._recompute))
+
+    def _current_plan(self) -> Plan:
+        return self._assignment_plan(self._assign)
 
     def _obs(self) -> dict[str, np.ndarray]:
         obs = {k: a.copy() for k, a in self._p.static.items()}  # fresh arrays: callers may keep them

@@ -182,7 +182,7 @@ def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | No
             imitation = imitate(model, tasks, cfg.env, seed=seed, plans=plans, log=print, **cfg.imitation)
         tracker = make_stop_and_track_callback(minutes * 60.0, offset_s=time.perf_counter() - t_start)
         tracker.imitation = imitation
-        callbacks = [tracker]
+        callback = tracker
         if cfg.self_imitation is not None:
             from stable_baselines3.common.callbacks import CallbackList
 
@@ -191,10 +191,9 @@ def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | No
             known = known_from_imitation(imitation, plans) if imitation is not None else {}
             tracker.self_imitation = SelfImitationCallback(tasks, cfg.env, lambda: tracker.best, seed=seed,
                                                            known=known, **cfg.self_imitation)
-            callbacks.append(tracker.self_imitation)
-            callbacks = [CallbackList(callbacks)]
+            callback = CallbackList([tracker, tracker.self_imitation])
         # an effectively unbounded step target: the callback's clock ends training
-        model.learn(total_timesteps=10**9, callback=callbacks[0], progress_bar=False)
+        model.learn(total_timesteps=10**9, callback=callback, progress_bar=False)
     finally:
         venv.close()
     print(f"[{config_name}] trained {model.num_timesteps} steps, {tracker.episodes} episodes "
@@ -387,8 +386,9 @@ def target_c(args) -> dict:
     t = time.perf_counter()
     model = load_policy(PRETRAINED)
     load_s = time.perf_counter() - t
-    env, _, _ = _placement_env(model, Task(graph, topo), "step_time", args.groups)
-    groups = int(env.reset(options={"task": Task(graph, topo)})[1]["num_groups"])
+    task = Task(graph, topo)
+    env, _, _ = _placement_env(model, task, "step_time", args.groups)
+    groups = int(env.reset(options={"task": task})[1]["num_groups"])
     print(f"(c) {graph.name}: {len(graph.names)} ops, {groups} groups, {PRETRAINED.name} loaded in {load_s:.2f}s")
 
     t = time.perf_counter()
@@ -404,8 +404,8 @@ def target_c(args) -> dict:
     base = full.best_baseline()
     out = {"target": "c", "graph": graph.name, "ops": len(graph.names), "max_groups": args.groups, "groups": groups,
            "topology": topo.name, "samples": args.samples, "seed": args.seed, "policy_load_seconds": round(load_s, 3),
-           "policy_only_seconds": round(policy_s, 3), "greedy_only_seconds_warm": round(greedy_s, 3), "policy_only_breakdown": {k: round(v, 3) for k, v in
-                                                                                pol.seconds.items()},
+           "policy_only_seconds": round(policy_s, 3), "greedy_only_seconds_warm": round(greedy_s, 3),
+           "policy_only_breakdown": {k: round(v, 3) for k, v in pol.seconds.items()},
            "total_with_baselines_seconds": round(total_s, 3),
            "total_breakdown": {k: round(v, 3) for k, v in full.seconds.items()},
            "policy_best_ms": ms(pol.best.step_time), "best_baseline": base.name if base else None,

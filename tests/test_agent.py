@@ -18,7 +18,7 @@ from sb3_contrib import MaskablePPO  # noqa: E402
 
 from agent.infer import Candidate, model_shape, place, rollout, run_baselines  # noqa: E402
 from agent.policy import GraphPlacementPolicy  # noqa: E402
-from agent.train import build_tasks, greedy_scores, load_config, make_vec_env, train  # noqa: E402
+from agent.train import TrainError, build_tasks, greedy_scores, load_config, make_vec_env, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,8 +211,9 @@ def test_self_imitation_makes_the_greedy_policy_reproduce_the_best_plan(tmp_path
                 run_dir=tmp_path / "sil", progress=False, log=None)
     tags = _scalar_tags(res.run_dir)
     assert "self_imitation/greedy_agreement" in tags
-    with pytest.raises(Exception, match="self_imitation"):
-        load_config({**TINY, "self_imitation": {"epoch": 3}})
+    for bad in ({"epoch": 3}, {"every": "x"}, {"epochs": 0}, [1, 2]):
+        with pytest.raises(TrainError, match="self_imitation"):
+            load_config({**TINY, "self_imitation": bad})
 
 
 def test_training_improves_greedy_reward(run):
