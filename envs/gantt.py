@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from envs.simulator import StepReport
@@ -46,18 +45,14 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
     """Write a matplotlib figure as PNG atomically (temp file + rename) and close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
+    from envs.files import atomic_output
+
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        with atomic_output(path, "image") as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return Path(path)
 
 
 def save_gantt(report: StepReport, path: str | os.PathLike, title: str = "") -> Path:

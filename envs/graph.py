@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -404,20 +402,10 @@ class OpGraph:
 
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temp file beside ``path`` and rename, so nothing half-written is left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=None, separators=(",", ":"), allow_nan=False)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write JSON to a temp file beside ``path`` and rename (``envs.files.atomic_write_json``)."""
+    from envs.files import atomic_write_json as write
+
+    write(path, obj)
 
 
 def chain_graph(n: int, *, flops: float = 1e12, param_bytes: float = 0.0, act_bytes: float = 1e6,
