@@ -8,7 +8,6 @@ rescales them linearly. Parameter bytes do not scale.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,12 +18,16 @@ import numpy as np
 from envs.errors import GraphError
 
 FORMAT = "rlplace.opgraph"
-VERSION = 1
+VERSION = 2  # 2: layout_caps has the CAN_REPLICATE bit (version-1 files load with it set where caps != 0)
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
-# Layout capability bits per node (see envs/plan.py for what each layout means).
+# Layout capability bits per node (see envs/plan.py for what each layout means). ``single`` is always
+# allowed; every other layout needs its bit (imported placement workloads allow ``single`` only: 0).
 CAN_BATCH = 1  # the op can run on a slice of the batch (almost every op)
 CAN_COL = 2  # tensor parallel: weights split by output features, or sharded elementwise / per-head op
 CAN_ROW = 4  # tensor parallel: weights split by input features, producing partial sums
+CAN_REPLICATE = 8  # the op may run redundantly on every tensor-parallel rank (Megatron's LayerNorm, adds)
+ALL_CAPS = CAN_BATCH | CAN_COL | CAN_ROW | CAN_REPLICATE
 
 # Ops that hold weights and split like Megatron's linears (Shoeybi et al., 2019).
 WEIGHTED_SPLITTABLE = {"linear", "matmul", "addmm", "mm", "bmm", "embedding", "conv", "conv1d", "conv2d",
@@ -38,7 +41,7 @@ SHARDABLE_ELEMENTWISE = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "
 def default_layout_caps(kind: str, has_params: bool) -> int:
     """Which layouts an op of this kind allows, when the tracer did not say."""
     k = kind.lower()
-    caps = CAN_BATCH
+    caps = CAN_BATCH | CAN_REPLICATE
     if k in WEIGHTED_SPLITTABLE and has_params:
         caps |= CAN_COL | CAN_ROW
     elif k in SHARDABLE_ELEMENTWISE:
@@ -46,11 +49,48 @@ def default_layout_caps(kind: str, has_params: bool) -> int:
     return caps
 
 
+# Upper bounds of per-node and per-edge quantities (envs.schema.LIMITS: far beyond any real model).
+MAX_FLOPS = 1e24
+MAX_BYTES = 1e18
+MAX_SECONDS = 1e6
+MAX_N_OPS = 10**9
+
+
 def _as_f64(values, n: int, what: str) -> np.ndarray:
-    arr = np.asarray(values if values is not None else np.zeros(n), dtype=np.float64).reshape(-1)
+    try:
+        arr = np.asarray(values if values is not None else np.zeros(n), dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise GraphError(f"{what} must be numbers ({exc})") from None
     if arr.shape[0] != n:
         raise GraphError(f"{what} has {arr.shape[0]} entries, expected {n}")
     return arr
+
+
+def _as_i64(values, n: int | None, what: str) -> np.ndarray:
+    """Integers as int64, refusing non-integral numbers (1.7 is not a node index) and non-numbers."""
+    try:
+        raw = np.asarray(values).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise GraphError(f"{what} must be integers ({exc})") from None
+    if raw.dtype == bool or not (np.issubdtype(raw.dtype, np.integer) or np.issubdtype(raw.dtype, np.floating)
+                                 or raw.size == 0):
+        raise GraphError(f"{what} must be integers, got {raw.dtype} values")
+    if np.issubdtype(raw.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(raw) | (raw != np.round(raw)))
+        if bad.size:
+            raise GraphError(f"{what}[{int(bad[0])}] is {raw[bad[0]]}, not an integer")
+    arr = raw.astype(np.int64)
+    if n is not None and arr.shape[0] != n:
+        raise GraphError(f"{what} has {arr.shape[0]} entries, expected {n}")
+    return arr
+
+
+def _check_range(arr: np.ndarray, names: Sequence[str], what: str, lo: float, hi: float) -> None:
+    """Every entry finite and in [lo, hi]; the first bad one is named."""
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr < lo) | (arr > hi))
+    if bad.size:
+        i = int(bad[0])
+        raise GraphError(f"node {names[i]!r}: {what} is {arr[i]:g} (must be finite, in [{lo:g}, {hi:g}])")
 
 
 @dataclass(eq=False)
@@ -95,63 +135,63 @@ class OpGraph:
             # otherwise only input grads: ~1x (Narayanan et al., SC'21, Sec. 5.1 "6x per param" rule).
             self.bwd_flops = np.where(self.param_bytes > 0, 2.0, 1.0) * self.fwd_flops
         self.bwd_flops = _as_f64(self.bwd_flops, n, "bwd_flops")
-        self.edge_src = np.asarray(self.edge_src, dtype=np.int64).reshape(-1)
-        self.edge_dst = np.asarray(self.edge_dst, dtype=np.int64).reshape(-1)
+        self.edge_src = _as_i64(self.edge_src, None, "edge_src")
+        self.edge_dst = _as_i64(self.edge_dst, None, "edge_dst")
         m = self.edge_src.shape[0]
         if self.edge_dst.shape[0] != m:
             raise GraphError("edge_src and edge_dst differ in length")
         self.edge_bytes = _as_f64(self.edge_bytes, m, "edge_bytes")
         if self.edge_time is not None:
             self.edge_time = _as_f64(self.edge_time, m, "edge_time")
-        if self.colocation is None:
-            self.colocation = np.full(n, -1, dtype=np.int64)
-        self.colocation = np.asarray(self.colocation, dtype=np.int64).reshape(-1)
-        if self.n_ops is None:
-            self.n_ops = np.ones(n, dtype=np.int64)
-        self.n_ops = np.asarray(self.n_ops, dtype=np.int64).reshape(-1)
+        self.colocation = _as_i64(np.full(n, -1) if self.colocation is None else self.colocation, n, "colocation")
+        self.n_ops = _as_i64(np.ones(n) if self.n_ops is None else self.n_ops, n, "n_ops")
         if self.layout_caps is None:
-            self.layout_caps = np.array(
-                [default_layout_caps(k, p > 0) for k, p in zip(self.kinds, self.param_bytes)], dtype=np.int64
-            )
-        self.layout_caps = np.asarray(self.layout_caps, dtype=np.int64).reshape(-1)
-        for name, arr in (("colocation", self.colocation), ("n_ops", self.n_ops), ("layout_caps", self.layout_caps)):
-            if arr.shape[0] != n:
-                raise GraphError(f"{name} has {arr.shape[0]} entries, expected {n}")
+            self.layout_caps = [default_layout_caps(k, p > 0) for k, p in zip(self.kinds, self.param_bytes)]
+        self.layout_caps = _as_i64(self.layout_caps, n, "layout_caps")
         self.measured = {
             str(k): {ph: _as_f64(v[ph], n, f"measured[{k}][{ph}]") for ph in ("fwd", "bwd")}
             for k, v in (self.measured or {}).items()
         }
-        if int(self.batch_size) < 1:
-            raise GraphError(f"batch_size must be >= 1, got {self.batch_size}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, (int, np.integer)) \
+                or not 1 <= int(self.batch_size) <= 10**9:
+            raise GraphError(f"batch_size must be an integer in [1, 1e9], got {self.batch_size!r}")
         self.batch_size = int(self.batch_size)
-        self.validate()
+        if self.dtype not in DTYPE_BYTES:
+            raise GraphError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        self.name = str(self.name)
+        self._validate_structure()
         if self.mem_bytes is None:
             in_bytes = np.zeros(n)
             np.add.at(in_bytes, self.edge_dst, self.edge_bytes)
             self.mem_bytes = in_bytes + self.out_bytes + self.param_bytes
         self.mem_bytes = _as_f64(self.mem_bytes, n, "mem_bytes")
-        self._topo: np.ndarray | None = None
+        _check_range(self.mem_bytes, self.names, "mem_bytes", 0.0, MAX_BYTES * 4)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        """Check the graph: names, costs and their ranges, edges, acyclicity (raises GraphError)."""
+        self._validate_structure()
+        _check_range(self.mem_bytes, self.names, "mem_bytes", 0.0, MAX_BYTES * 4)
+
+    def _validate_structure(self) -> None:
         n = self.num_nodes
+        if n == 0:
+            raise GraphError(f"graph {self.name!r} has no nodes")
         seen: dict[str, int] = {}
         for i, nm in enumerate(self.names):
             if nm in seen:
                 raise GraphError(f"duplicate node name {nm!r} (nodes {seen[nm]} and {i})")
             seen[nm] = i
-        for what, arr in (("fwd_flops", self.fwd_flops), ("bwd_flops", self.bwd_flops),
-                          ("param_bytes", self.param_bytes), ("out_bytes", self.out_bytes)):
-            bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
-            if bad.size:
-                i = int(bad[0])
-                raise GraphError(f"node {self.names[i]!r}: {what} is {arr[i]} (must be finite and >= 0)")
+        names = self.names
+        for what, arr, hi in (("fwd_flops", self.fwd_flops, MAX_FLOPS), ("bwd_flops", self.bwd_flops, 2 * MAX_FLOPS),
+                              ("param_bytes", self.param_bytes, MAX_BYTES), ("out_bytes", self.out_bytes, MAX_BYTES)):
+            _check_range(arr, names, what, 0.0, hi)
+        _check_range(self.n_ops.astype(np.float64), names, "n_ops", 0, MAX_N_OPS)
+        _check_range(self.layout_caps.astype(np.float64), names, "layout_caps", 0, ALL_CAPS)
+        _check_range(self.colocation.astype(np.float64), names, "colocation", -1, 2**62)
         for kind, ph in self.measured.items():
             for p, arr in ph.items():
-                bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
-                if bad.size:
-                    i = int(bad[0])
-                    raise GraphError(f"node {self.names[i]!r}: measured {kind} {p} time is {arr[i]}")
+                _check_range(arr, names, f"measured {kind} {p} time", 0.0, MAX_SECONDS)
         for e in range(self.num_edges):
             s, d = int(self.edge_src[e]), int(self.edge_dst[e])
             if not (0 <= s < n) or not (0 <= d < n):
@@ -160,14 +200,14 @@ class OpGraph:
                 raise GraphError(f"edge {e} ({src} -> {dst}) refers to a node that does not exist")
             if s == d:
                 raise GraphError(f"edge {e} is a self-loop on node {self.names[s]!r}")
-        bad = np.flatnonzero(~np.isfinite(self.edge_bytes) | (self.edge_bytes < 0))
+        bad = np.flatnonzero(~np.isfinite(self.edge_bytes) | (self.edge_bytes < 0) | (self.edge_bytes > MAX_BYTES))
         if bad.size:
             e = int(bad[0])
             raise GraphError(
                 f"edge {self.names[self.edge_src[e]]} -> {self.names[self.edge_dst[e]]}: bytes is {self.edge_bytes[e]}"
             )
         if self.edge_time is not None:
-            bad = np.flatnonzero(~np.isfinite(self.edge_time) | (self.edge_time < 0))
+            bad = np.flatnonzero(~np.isfinite(self.edge_time) | (self.edge_time < 0) | (self.edge_time > MAX_SECONDS))
             if bad.size:
                 e = int(bad[0])
                 raise GraphError(f"edge {self.names[self.edge_src[e]]} -> {self.names[self.edge_dst[e]]}: "
@@ -345,50 +385,68 @@ class OpGraph:
                 "dtype": self.dtype, "meta": self.meta, "nodes": nodes, "edges": edges}
 
     @classmethod
-    def from_dict(cls, d: dict) -> OpGraph:
+    def from_dict(cls, d: dict, source: str | os.PathLike | None = None) -> OpGraph:
+        """An OpGraph from its JSON dict (checked against ``envs.schema.GraphDoc``; ``source`` names the
+        file in error messages). Version-1 files load with ``CAN_REPLICATE`` added where caps != 0."""
+        from envs.files import validated
+        from envs.schema import GraphDoc
+
+        where = f"{source}: " if source is not None else ""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise GraphError(f"not an rlplace graph (expected format {FORMAT!r})")
-        if int(d.get("version", 0)) > VERSION:
-            raise GraphError(f"graph file version {d.get('version')} is newer than this rlplace ({VERSION})")
+            raise GraphError(f"{where}not an rlplace graph (expected \"format\": {FORMAT!r})")
+        version = d.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+            raise GraphError(f"{where}graph file version {version} is newer than this rlplace reads ({VERSION})")
+        doc = validated(GraphDoc, d, "graph", GraphError, source)
+        nodes, edges = doc.nodes, doc.edges
+        kinds_measured = sorted({k for nd in nodes for k in nd.measured})
+        for i, nd in enumerate(nodes):
+            if kinds_measured and set(nd.measured) != set(kinds_measured):
+                raise GraphError(f"{where}nodes[{i}].measured: every node needs times for the same device kinds "
+                                 f"({', '.join(kinds_measured)})")
+        measured = {k: {"fwd": [nd.measured[k][0] for nd in nodes], "bwd": [nd.measured[k][1] for nd in nodes]}
+                    for k in kinds_measured}
+        lens = {len(e) for e in edges}
+        for e, edge in enumerate(edges):
+            for k, (what, hi) in enumerate((("source", None), ("destination", None), ("bytes", MAX_BYTES),
+                                              ("time", MAX_SECONDS))[:len(edge)]):
+                x = edge[k]
+                if hi is None and not isinstance(x, int):
+                    raise GraphError(f"{where}edges[{e}][{k}]: the {what} must be a node index (an integer), "
+                                     f"got {x!r}")
+                if not 0 <= x <= (hi if hi is not None else len(nodes) - 1):
+                    raise GraphError(f"{where}edges[{e}][{k}]: {what} {x!r} is out of range "
+                                     f"[0, {hi if hi is not None else len(nodes) - 1:g}]")
+        if len(lens) > 1:
+            raise GraphError(f"{where}edges: give every edge a time or none (found edges of lengths {sorted(lens)})")
+        caps = [nd.layout_caps for nd in nodes] if all(nd.layout_caps is not None for nd in nodes) else None
+        if caps is not None and doc.version < 2:
+            caps = [c | CAN_REPLICATE if c else c for c in caps]
         try:
-            nodes = d["nodes"]
-            edges = d.get("edges", [])
-            measured_kinds = sorted({k for nd in nodes for k in nd.get("measured", {})})
-            measured = {k: {"fwd": [nd["measured"][k][0] for nd in nodes],
-                             "bwd": [nd["measured"][k][1] for nd in nodes]} for k in measured_kinds}
-            has_time = bool(edges) and all(len(e) > 3 for e in edges)
             return cls(
-                names=[nd["name"] for nd in nodes], kinds=[nd.get("kind", "op") for nd in nodes],
-                module_paths=[nd.get("module", "") for nd in nodes],
-                fwd_flops=[nd.get("fwd_flops", 0.0) for nd in nodes],
-                bwd_flops=[nd["bwd_flops"] for nd in nodes] if all("bwd_flops" in nd for nd in nodes) else None,
-                param_bytes=[nd.get("param_bytes", 0.0) for nd in nodes],
-                out_bytes=[nd.get("out_bytes", 0.0) for nd in nodes],
-                mem_bytes=[nd["mem_bytes"] for nd in nodes] if all("mem_bytes" in nd for nd in nodes) else None,
-                layout_caps=[nd["layout_caps"] for nd in nodes] if all("layout_caps" in nd for nd in nodes) else None,
-                colocation=[nd.get("colocation", -1) for nd in nodes], n_ops=[nd.get("n_ops", 1) for nd in nodes],
-                measured=measured,
-                edge_src=[e[0] for e in edges], edge_dst=[e[1] for e in edges], edge_bytes=[e[2] for e in edges],
-                edge_time=[e[3] for e in edges] if has_time else None,
-                batch_size=d.get("batch_size", 1), dtype=d.get("dtype", "bf16"), name=d.get("name", "graph"),
-                meta=d.get("meta", {}),
+                names=[nd.name for nd in nodes], kinds=[nd.kind for nd in nodes],
+                module_paths=[nd.module for nd in nodes], fwd_flops=[nd.fwd_flops for nd in nodes],
+                bwd_flops=[nd.bwd_flops for nd in nodes] if all(nd.bwd_flops is not None for nd in nodes) else None,
+                param_bytes=[nd.param_bytes for nd in nodes], out_bytes=[nd.out_bytes for nd in nodes],
+                mem_bytes=[nd.mem_bytes for nd in nodes] if all(nd.mem_bytes is not None for nd in nodes) else None,
+                layout_caps=caps, colocation=[nd.colocation for nd in nodes], n_ops=[nd.n_ops for nd in nodes],
+                measured=measured, edge_src=np.array([e[0] for e in edges], dtype=np.int64),
+                edge_dst=np.array([e[1] for e in edges], dtype=np.int64),
+                edge_bytes=[e[2] for e in edges], edge_time=[e[3] for e in edges] if lens == {4} else None,
+                batch_size=doc.batch_size, dtype=doc.dtype, name=doc.name, meta=dict(doc.meta),
             )
-        except (KeyError, IndexError, TypeError) as exc:
-            raise GraphError(f"malformed graph file: {exc!r}") from exc
+        except GraphError as exc:
+            raise GraphError(f"{where}{exc}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> OpGraph:
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError as exc:
-            raise GraphError(f"graph file not found: {path}") from exc
-        except json.JSONDecodeError as exc:
-            raise GraphError(f"graph file {path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(d)
+        """Read a graph JSON file (one-line GraphError for anything wrong with it)."""
+        from envs.files import read_document
+
+        return cls.from_dict(read_document(path, "graph file", GraphError), source=path)
 
     # ------------------------------------------------------------------ subgraphs
     def with_measured(self, device_kind: str, fwd: Sequence[float], bwd: Sequence[float]) -> OpGraph:

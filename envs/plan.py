@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs.errors import PlanError
-from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph, atomic_write_json
+from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, DTYPE_BYTES, OpGraph, atomic_write_json
 from envs.topology import Topology
 
 FORMAT = "rlplace.plan"
@@ -38,7 +38,6 @@ SCHEDULES = ("gpipe", "1f1b")
 # Mixed-precision Adam: fp16/bf16 weights (2) + grads (2) + fp32 master, momentum, variance (12)
 # = 16 bytes per parameter (Rajbhandari et al., ZeRO, SC'20, Sec. 3.1).
 ADAM_MIXED_BYTES_PER_PARAM = 16.0
-DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclass(eq=False)
