@@ -10,6 +10,11 @@
 - :class:`GanttEvalCallback` is sb3-contrib's ``MaskableEvalCallback`` (held-out tasks) that also
   logs the Gantt chart of the current best plans as TensorBoard images at every evaluation;
   :class:`GanttCallback` does the images alone when there are no held-out tasks.
+  Its ``evaluations.npz`` and ``best/best_model.zip`` are written atomically, and :meth:`GanttEvalCallback.resume`
+  continues a resumed run's evaluations instead of overwriting them.
+- :class:`AtomicCheckpointCallback` is SB3's ``CheckpointCallback`` (``model_<steps>_steps.zip``) saving
+  through :func:`atomic_save`: a kill during a save never leaves a broken file under a checkpoint's name.
+- :class:`TensorBoardResumeCallback` marks where a resumed run's curve restarts.
 - :class:`HParamCallback` records the hyperparameters (SB3 ``HParam``) with the metrics they explain.
 - :class:`ProgressCallback` is a rich progress bar showing the current mean best speedup.
 """
@@ -25,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from stable_baselines3.common.logger import HParam, Image
 
+from envs.files import atomic_output, one_line
 from envs.plan import Plan
 
 NO_TEXT = ("stdout", "log", "json", "csv")
@@ -46,6 +52,24 @@ def figure_to_array(fig) -> np.ndarray:
     arr = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return arr
+
+
+def atomic_save(model, path: str | Path) -> Path:
+    """``model.save(path)`` through a temporary zip beside ``path``, flushed and renamed over it: a kill
+    during the save leaves the previous file (or none), never a half-written one."""
+    with atomic_output(path, "model") as tmp:
+        model.save(tmp)
+    return Path(path)
+
+
+class AtomicCheckpointCallback(CheckpointCallback):
+    """SB3's ``CheckpointCallback`` (``<name_prefix>_<steps>_steps.zip`` every ``save_freq`` calls) whose
+    saves are atomic (:func:`atomic_save`)."""
+
+    def _on_step(self) -> bool:
+        if self.n_calls % self.save_freq == 0:
+            atomic_save(self.model, self._checkpoint_path(extension="zip"))
+        return True
 
 
 def episode_plans(info: dict) -> list[tuple[Plan, float, bool]]:
@@ -207,20 +231,83 @@ class GanttCallback(BaseCallback):
 
 
 class GanttEvalCallback(MaskableEvalCallback):
-    """``MaskableEvalCallback`` on held-out tasks that also logs the best plans' Gantt charts."""
+    """``MaskableEvalCallback`` on held-out tasks that also logs the best plans' Gantt charts, writes
+    ``evaluations.npz`` and ``best_model.zip`` atomically and can continue a resumed run's evaluations."""
 
-    def __init__(self, eval_env, best: BestPlanCallback, **kwargs):
-        super().__init__(eval_env, **kwargs)
+    def __init__(self, eval_env, best: BestPlanCallback, best_model_save_path: str | None = None, **kwargs):
+        super().__init__(eval_env, best_model_save_path=None, **kwargs)  # the best model is saved here
         self.best_cb = best
+        self.best_model_path = Path(best_model_save_path) / "best_model.zip" if best_model_save_path else None
+        self.npz_path = Path(f"{self.log_path}.npz") if self.log_path is not None else None
+
+    def resume(self, upto: int, log: Callable[[str], None] | None = None) -> int:
+        """Preload the evaluations of ``evaluations.npz`` up to step ``upto`` (the resumed model's counter;
+        later ones belong to steps that are trained again), so the file continues; the best mean reward
+        so far is theirs. Returns how many were kept."""
+        say = log or (lambda _m: None)
+        if self.npz_path is None or not self.npz_path.exists():
+            return 0
+        try:
+            with np.load(self.npz_path) as d:
+                steps, results, lengths = d["timesteps"], d["results"], d["ep_lengths"]
+                successes = d["successes"] if "successes" in d.files else None
+        except Exception as exc:  # noqa: BLE001 - a broken file: start afresh, say so
+            say(f"warning: {self.npz_path} does not load ({one_line(exc, 120)}); evaluations start afresh")
+            return 0
+        if results.ndim != 2 or results.shape[1] != self.n_eval_episodes or len(steps) != len(results):
+            say(f"warning: {self.npz_path} holds {results.shape} results, not {self.n_eval_episodes} episodes "
+                f"per evaluation; evaluations start afresh")
+            return 0
+        keep = np.asarray(steps) <= int(upto)
+        self.evaluations_timesteps = [int(t) for t in steps[keep]]
+        self.evaluations_results = [[float(r) for r in row] for row in results[keep]]
+        self.evaluations_length = [[int(n) for n in row] for row in lengths[keep]]
+        if successes is not None and len(successes) == len(steps):
+            self.evaluations_successes = [[bool(x) for x in row] for row in successes[keep]]
+        if self.evaluations_results:
+            self.best_mean_reward = max(float(np.mean(row)) for row in self.evaluations_results)
+        return len(self.evaluations_timesteps)
 
     def _on_step(self) -> bool:
-        if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
-            self.best_cb.log_gantt(self.logger)  # dumped with the evaluation's scalars
-        return super()._on_step()
+        if not (self.eval_freq > 0 and self.n_calls % self.eval_freq == 0):
+            return super()._on_step()
+        self.best_cb.log_gantt(self.logger)  # dumped with the evaluation's scalars
+        best = self.best_mean_reward
+        if self.npz_path is None:
+            go = super()._on_step()
+        else:
+            with atomic_output(self.npz_path, "evaluations") as tmp:
+                self.log_path = str(tmp)  # np.savez writes the temporary file, renamed when complete
+                go = super()._on_step()
+        if self.best_model_path is not None and self.best_mean_reward > best:
+            atomic_save(self.model, self.best_model_path)
+        return go
 
     def _on_training_end(self) -> None:
         if self.best_cb.log_gantt(self.logger):
             self.logger.dump(self.num_timesteps)
+
+
+class TensorBoardResumeCallback(BaseCallback):
+    """On a resumed run, tells TensorBoard that the curve restarts after step ``step`` (the session-start
+    event ``SummaryWriter(purge_step=step + 1)`` writes): points an earlier run logged beyond it (steps
+    that are trained again, when the newest checkpoints were lost) are hidden instead of drawn twice."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = int(step)
+
+    def _on_training_start(self) -> None:
+        from stable_baselines3.common.logger import TensorBoardOutputFormat
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        for fmt in self.logger.output_formats:
+            if isinstance(fmt, TensorBoardOutputFormat):
+                fmt.writer._get_file_writer().add_event(  # as torch's SummaryWriter does for purge_step
+                    Event(step=self.step + 1, session_log=SessionLog(status=SessionLog.START)))
+
+    def _on_step(self) -> bool:
+        return True
 
 
 class HParamCallback(BaseCallback):
@@ -270,8 +357,14 @@ class ProgressCallback(BaseCallback):
     def _on_training_end(self) -> None:
         if self._progress is not None:
             self._progress.update(self._bar, completed=self.num_timesteps)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the bar (training ended or was interrupted)."""
+        if self._progress is not None:
             self._progress.stop()
+            self._progress = None
 
 
 __all__ = ["BestPlanCallback", "GanttEvalCallback", "GanttCallback", "HParamCallback", "ProgressCallback",
-           "safe_name"]
+           "AtomicCheckpointCallback", "TensorBoardResumeCallback", "atomic_save", "safe_name"]

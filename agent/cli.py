@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     args = sys.argv[1:] if argv is None else list(argv)
     try:
-        app(args=args, prog_name="rlplace", standalone_mode=False)
+        rc = app(args=args, prog_name="rlplace", standalone_mode=False)
+        if rc == EXIT_INTERRUPTED:  # typer turns a KeyboardInterrupt inside a command into Exit(130)
+            typer.echo("interrupted", err=True)
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
     except USAGE_ERROR as exc:  # usage: typer prints the usage line and the message
         exc.show()
         return int(getattr(exc, "exit_code", EXIT_BAD_INPUT) or EXIT_BAD_INPUT)
@@ -99,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         typer.echo("internal error, please report it with the traceback below:", err=True)
         traceback.print_exc()
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -37,18 +37,19 @@ def run_demo(steps: int | None = None, out: str | Path = "runs", model: str = "g
     from agent.commands.place import print_comparison
     from agent.infer import place, resolve_model
     from agent.train import load_config, train
+    from envs.files import check_output_dir
     from envs.gantt import save_gantt
     from envs.simulator import simulate
     from envs.topology import resolve_topology
 
-    out = Path(out)
+    out = check_output_dir(out, "output folder")
     cfg = load_config(DEMO_CONFIG) if DEMO_CONFIG.exists() else load_config(dict(_FALLBACK))
+    g = resolve_model(model)  # bad names fail now, not after training
+    topo = resolve_topology(topology)
     echo(f"[1/3] training a small placement policy on {', '.join(cfg.raw['tasks']['builtin'])} "
          f"x {', '.join(cfg.raw['tasks']['topologies'])}")
     res = train(cfg, run_dir=out / "demo", total_steps=steps, progress=progress, log=echo)
     echo(f"      {res.num_timesteps} steps in {res.seconds:.0f}s")
-    g = resolve_model(model)
-    topo = resolve_topology(topology)
     echo(f"[2/3] placing held-out model {g.name} on {topo.name}")
     from sb3_contrib import MaskablePPO
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from envs.errors import PlanError, RlplaceError
 from envs.evaluator import SimulatorEvaluator
+from envs.files import one_line
 from envs.graph import OpGraph
 from envs.plan import Plan
 from envs.topology import Topology
@@ -193,7 +194,7 @@ def load_policy(path: str | os.PathLike | None = None):
     try:
         model = MaskablePPO.load(p, device="cpu")
     except Exception as exc:  # a corrupt zip, a pickle of unknown classes, ...
-        raise PlaceError(f"cannot load policy {p}: {exc}") from exc
+        raise PlaceError(f"cannot load policy {p}: {type(exc).__name__}: {one_line(exc)}") from None
     model.episode_kwargs = run_episode_kwargs(p)
     return model
 

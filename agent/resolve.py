@@ -22,10 +22,8 @@ def resolve_graph(spec: str | OpGraph) -> OpGraph:
 
     if spec in builtin_graph_names():
         return load_builtin_graph(spec)
-    if spec.endswith(".json"):
-        if not os.path.exists(spec):
-            raise GraphError(f"graph file not found: {spec}")
-        return OpGraph.load(spec)
+    if spec.endswith(".json") or (os.path.isfile(spec) and ".py:" not in spec):
+        return OpGraph.load(spec)  # a graph file, whatever its suffix (OpGraph.load says what is wrong)
     try:
         from profilers.spec import graph_from_spec
     except ImportError as exc:  # pragma: no cover - profilers ship with rlplace

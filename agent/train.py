@@ -21,28 +21,40 @@ A config (``experiments/configs/NAME.yaml``) has these sections, all optional ex
     imitation: {epochs: 20, batch_size: 128}           # clone the best heuristic plans first (agent.imitation)
     self_imitation: {every: 4, epochs: 5}              # clone the best plan found so far (agent.self_imitation)
 
+The whole config is validated (:mod:`agent.config`: unknown keys, types, ranges) and its tasks and
+environments are built before anything is written; a problem is one :class:`TrainError` line naming the
+file and the field.
+
 Every run lives in a run directory (default ``runs/NAME``): ``config.yaml``, ``model.zip`` (final),
-``checkpoints/``, ``best/`` (best eval model), ``plans/`` (best plan per task, JSON) and ``tb/`` (the
-TensorBoard logs). ``resume=True`` loads ``model.zip`` (or the newest checkpoint) and continues the
-same step counter and the same TensorBoard curve.
+``checkpoints/`` (``model_<steps>_steps.zip``), ``best/`` (best eval model), ``eval/evaluations.npz``,
+``plans/`` (best plan per task, JSON) and ``tb/`` (the TensorBoard logs). Models are written atomically
+(a kill leaves the old file or the new one). ``resume=True`` loads the newest model by step count that
+loads (``model.zip`` or a checkpoint; a broken zip is skipped with a warning) and continues the same step
+counter, the same TensorBoard curve and the same ``evaluations.npz``. Ctrl-C saves a checkpoint first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
+import shlex
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from agent.config import TrainSpec, check_batch_size
 from envs.errors import RlplaceError
+from envs.files import one_line, read_document, validated
 
 DEFAULT_PPO: dict[str, Any] = {
     "learning_rate": 3e-4,
@@ -64,105 +76,102 @@ class TrainError(RlplaceError):
     """A training config or run directory is unusable."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`train` after it saved a resumable checkpoint; the message says where and how
+    to resume. A ``KeyboardInterrupt``, so the command line ends with exit code 130."""
+
+    def __init__(self, message: str, checkpoint: Path, num_timesteps: int):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.num_timesteps = num_timesteps
+
+
 # ---------------------------------------------------------------------- configs
 @dataclass
 class TrainConfig:
-    """A parsed training config (see the module docstring)."""
+    """A parsed, validated training config (see the module docstring and :mod:`agent.config`).
+
+    ``raw`` is the mapping as written; ``source`` the file it was read from (None for a dict)."""
 
     name: str
     raw: dict
+    source: str | None = None
+    spec: TrainSpec | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.spec is None:
+            self.spec = parse_spec(self.raw, self.source)
+
+    @property
+    def where(self) -> str:
+        """The prefix of this config's one-line errors: its file, or "training config"."""
+        return f"{self.source}: " if self.source else "training config: "
 
     @property
     def seed(self) -> int:
-        return int(self.raw.get("seed", 0))
+        return self.spec.seed
 
     @property
     def n_envs(self) -> int:
-        return max(1, int(self.raw.get("n_envs", 1)))
+        return self.spec.n_envs
 
     @property
     def total_timesteps(self) -> int:
-        return int(self.raw.get("total_timesteps", 10_000))
+        return self.spec.total_timesteps
 
     @property
     def env(self) -> dict:
-        return {**DEFAULT_ENV, **(self.raw.get("env") or {})}
+        return {**DEFAULT_ENV, **self.spec.env.model_dump(exclude_unset=True)}
 
     @property
     def ppo(self) -> dict:
-        return {**DEFAULT_PPO, **(self.raw.get("ppo") or {})}
+        return {**DEFAULT_PPO, **self.spec.ppo.model_dump(exclude_unset=True)}
 
     @property
     def policy(self) -> dict:
-        return dict(self.raw.get("policy") or {})
+        return self.spec.policy.model_dump(exclude_unset=True)
 
     @property
     def imitation(self) -> dict | None:
         """The imitation warm-start settings, or None without an ``imitation`` section."""
-        sec = self.raw.get("imitation")
-        if not sec:
-            return None
-        if not isinstance(sec, dict):
-            return {"epochs": 20, "batch_size": 128}
-        unknown = set(sec) - {"epochs", "batch_size"}
-        if unknown:
-            raise TrainError(f"unknown imitation setting(s) {sorted(unknown)}; known: batch_size, epochs")
-        return {"epochs": int(sec.get("epochs", 20)), "batch_size": int(sec.get("batch_size", 128))}
+        sec = self.spec.imitation
+        return None if sec is None else sec.model_dump()
 
     @property
     def self_imitation(self) -> dict | None:
         """The self-imitation settings (agent/self_imitation.py), or None without the section."""
-        from agent.self_imitation import SETTINGS
-
-        sec = self.raw.get("self_imitation")
-        if not sec:
-            return None
-        if sec is True:
-            sec = {}
-        if not isinstance(sec, dict):
-            raise TrainError(f"self_imitation must be a mapping of {', '.join(SETTINGS)} (or true), got {sec!r}")
-        unknown = set(sec) - set(SETTINGS)
-        if unknown:
-            raise TrainError(f"unknown self_imitation setting(s) {sorted(unknown)}; known: {', '.join(SETTINGS)}")
-        out = {k: sec.get(k, v) for k, v in SETTINGS.items()}
-        bad = {k: v for k, v in out.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-        if bad:
-            raise TrainError(f"self_imitation settings must be integers >= 1, got {bad}")
-        return out
+        sec = self.spec.self_imitation
+        return None if sec is None else sec.model_dump()
 
     @property
     def callbacks(self) -> dict:
-        return {"eval_freq": 2048, "checkpoint_freq": 10_000, "baselines": True, "n_eval_episodes": None,
-                **(self.raw.get("callbacks") or {})}
+        return self.spec.callbacks.model_dump()
+
+
+def parse_spec(raw: Any, source: str | os.PathLike | None = None) -> TrainSpec:
+    """``raw`` checked against the config schema (:class:`agent.config.TrainSpec`); a problem raises a
+    one-line :class:`TrainError` naming ``source`` (or "training config") and the field."""
+    where = f"{source}: " if source is not None else "training config: "
+    if not isinstance(raw, dict):
+        raise TrainError(f"{where}a training config must be a mapping of sections, got {type(raw).__name__}")
+    spec = validated(TrainSpec, raw, "training config", TrainError, source)
+    problem = check_batch_size(spec)
+    if problem:
+        raise TrainError(where + problem)
+    return spec
 
 
 def load_config(path: str | os.PathLike | dict, name: str | None = None) -> TrainConfig:
-    """Read a yaml config (or take a dict) and check its sections."""
+    """Read a yaml config (or take a dict) and validate all of it (:func:`parse_spec`)."""
     if isinstance(path, dict):
-        raw = copy.deepcopy(path)
-        cname = name or str(raw.get("name", "run"))
+        raw, source = copy.deepcopy(path), None
     else:
-        p = Path(path)
-        if not p.exists():
-            raise TrainError(f"config not found: {p}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise TrainError(f"{p}: not valid yaml ({exc})") from exc
-        cname = name or str(raw.get("name", p.stem))
-    if not isinstance(raw, dict):
-        raise TrainError("a training config must be a mapping")
-    known = {"name", "seed", "n_envs", "total_timesteps", "env", "tasks", "eval_tasks", "policy", "ppo", "callbacks",
-             "imitation", "self_imitation"}
-    unknown = set(raw) - known
-    if unknown:
-        raise TrainError(f"unknown config section(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
-    if not raw.get("tasks"):
-        raise TrainError("the config needs a 'tasks' section")
-    cfg = TrainConfig(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", cname), raw=raw)
-    cfg.imitation  # noqa: B018 - validates the section now, not after the baselines ran
-    cfg.self_imitation  # noqa: B018
-    return cfg
+        source = str(path)
+        raw = read_document(path, "training config", TrainError)
+        raw = {} if raw is None else raw  # an empty file: "tasks: missing"
+    spec = parse_spec(raw, source)
+    cname = name or spec.name or (Path(source).stem if source else "run")
+    return TrainConfig(name=re.sub(r"[^A-Za-z0-9_.-]+", "-", cname), raw=raw, source=source, spec=spec)
 
 
 # ---------------------------------------------------------------------- tasks
@@ -191,12 +200,28 @@ def build_tasks(section: dict, seed: int = 0) -> list:
     return [Task(g, t, b) for g in graphs for t in topos for b in batches]
 
 
+def task_lists(cfg: TrainConfig) -> tuple[list, list]:
+    """The training and held-out Task lists of a config; an unknown graph, spec or topology raises a
+    one-line :class:`TrainError` naming the config and the section."""
+    out = []
+    for section, seed in (("tasks", cfg.seed), ("eval_tasks", cfg.seed + 1000)):
+        if not cfg.raw.get(section):
+            out.append([])
+            continue
+        try:
+            out.append(build_tasks(cfg.raw[section], seed=seed))
+        except (RlplaceError, OSError) as exc:
+            raise TrainError(f"{cfg.where}{section}: {one_line(exc)}") from None
+    return out[0], out[1]
+
+
 def env_kwargs(cfg: TrainConfig) -> dict:
     return dict(cfg.env)
 
 
-def make_env_fn(tasks: Sequence, kwargs: dict, seed: int) -> Callable[[], Any]:
-    """A picklable thunk building one monitored PlacementEnv (for SubprocVecEnv workers)."""
+def make_env_fn(tasks: Sequence, kwargs: dict, seed: int, ignore_sigint: bool = False) -> Callable[[], Any]:
+    """A picklable thunk building one monitored PlacementEnv (for SubprocVecEnv workers). With
+    ``ignore_sigint`` (a worker process) Ctrl-C is left to the main process, which saves and closes."""
 
     def _init():
         import torch as th
@@ -204,6 +229,8 @@ def make_env_fn(tasks: Sequence, kwargs: dict, seed: int) -> Callable[[], Any]:
 
         from envs.placement_env import PlacementEnv
 
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         th.set_num_threads(1)
         env = PlacementEnv(list(tasks), seed=seed, **kwargs)
         return Monitor(env)
@@ -214,10 +241,105 @@ def make_env_fn(tasks: Sequence, kwargs: dict, seed: int) -> Callable[[], Any]:
 def make_vec_env(tasks: Sequence, kwargs: dict, n_envs: int, seed: int):
     from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
-    fns = [make_env_fn(tasks, kwargs, seed + i) for i in range(n_envs)]
-    if n_envs > 1:
+    sub = n_envs > 1
+    fns = [make_env_fn(tasks, kwargs, seed + i, ignore_sigint=sub) for i in range(n_envs)]
+    if sub:
         return SubprocVecEnv(fns, start_method="fork" if os.name == "posix" else "spawn")
     return DummyVecEnv(fns)
+
+
+def _close_quietly(env) -> None:
+    """Close a vec env; a worker that is already gone (after Ctrl-C or a crash) is not a second error."""
+    if env is None:
+        return
+    try:
+        env.close()
+    except (EOFError, OSError):  # BrokenPipeError, ConnectionResetError: the worker is gone
+        pass
+
+
+def build_envs(cfg: TrainConfig, tasks: Sequence, eval_tasks: Sequence, kw: dict):
+    """The training vec env and the eval vec env (None without held-out tasks). A task the env cannot
+    take raises a one-line :class:`TrainError` here, in this process (a subprocess worker could not say
+    why it died)."""
+    from envs.placement_env import PlacementEnv
+
+    venv = None
+    try:
+        if cfg.n_envs > 1:
+            PlacementEnv(list(tasks), **kw).close()  # the workers build the same env
+        venv = make_vec_env(tasks, kw, cfg.n_envs, cfg.seed)
+        eval_env = make_vec_env(eval_tasks, kw, 1, cfg.seed + 10_000) if eval_tasks else None
+    except RlplaceError as exc:
+        _close_quietly(venv)
+        raise TrainError(f"{cfg.where}env: {one_line(exc)}") from None
+    except BaseException:
+        _close_quietly(venv)
+        raise
+    return venv, eval_env
+
+
+# ---------------------------------------------------------------------- resuming
+CHECKPOINT_NAME = re.compile(r"model_(\d+)_steps\.zip")
+
+
+def saved_steps(path: str | os.PathLike) -> int:
+    """The step counter (``num_timesteps``) a saved SB3 model zip holds, read from its ``data`` entry."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return int(json.loads(z.read("data"))["num_timesteps"])
+
+
+def _set_aside(path: Path, exc: BaseException, say: Callable[[str], None]) -> None:
+    """Warn about an unloadable model zip and rename it to ``*.corrupt`` (kept, but never picked again)."""
+    aside = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, aside)
+        where = f"; moved to {aside.name}"
+    except OSError:
+        where = ""
+    say(f"warning: skipping {path}: it does not load ({one_line(exc, 120)}){where}")
+
+
+def _remove_unfinished_saves(run: Path) -> None:
+    """Delete the temporary files of saves a kill interrupted (``.NAME.*.tmp.EXT``, see envs.files)."""
+    for folder in (run, run / "checkpoints", run / "best", run / "eval", run / "plans"):
+        if folder.is_dir():
+            for p in folder.glob(".*.tmp.*"):
+                p.unlink(missing_ok=True)
+
+
+def pick_checkpoint(run: Path, say: Callable[[str], None] = print) -> Path:
+    """The newest model of a run *by step count* that loads: ``model.zip`` (its ``num_timesteps``) or
+    ``checkpoints/model_<steps>_steps.zip``; ``model.zip`` wins a tie. A zip that does not load (a 0-byte
+    or truncated file) is skipped with a one-line warning and renamed ``*.corrupt``."""
+    from sb3_contrib import MaskablePPO
+
+    found: list[tuple[int, int, Path]] = []
+    for p in (run / "checkpoints").glob("model_*_steps.zip"):
+        m = CHECKPOINT_NAME.fullmatch(p.name)
+        if m:
+            found.append((int(m.group(1)), 0, p))
+    final = run / "model.zip"
+    skipped = 0
+    if final.exists():
+        try:
+            found.append((saved_steps(final), 1, final))
+        except Exception as exc:  # noqa: BLE001 - any way a zip can be broken
+            _set_aside(final, exc, say)
+            skipped += 1
+    for _steps, _final, p in sorted(found, reverse=True):
+        try:
+            MaskablePPO.load(p, device="cpu")
+        except Exception as exc:  # noqa: BLE001
+            _set_aside(p, exc, say)
+            skipped += 1
+            continue
+        return p
+    why = f" ({skipped} did not load)" if skipped else ""
+    raise TrainError(f"--resume: no loadable model.zip or checkpoints/model_*_steps.zip in {run}{why}")
 
 
 # ---------------------------------------------------------------------- training
@@ -232,9 +354,39 @@ class TrainResult:
     seconds: float
 
 
-def _latest_checkpoint(run_dir: Path) -> Path | None:
-    ck = sorted((run_dir / "checkpoints").glob("*.zip"), key=lambda p: p.stat().st_mtime)
-    return ck[-1] if ck else None
+def _resume_config(run: Path, cfg: TrainConfig) -> TrainConfig:
+    """The config of the run to resume: its own ``config.yaml`` (it defines the tasks and shapes)."""
+    if not run.is_dir():
+        raise TrainError(f"--resume: no run directory {run}")
+    saved = run / "config.yaml"
+    return load_config(saved, name=cfg.name) if saved.exists() else cfg
+
+
+@contextlib.contextmanager
+def _ignoring_sigint() -> Iterator[None]:
+    """A block that Ctrl-C does not interrupt (a save that must finish); a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _save_interrupted(model, run: Path, cfg: TrainConfig) -> TrainingInterrupted:
+    """Save the interrupted model as a checkpoint (atomically, Ctrl-C held off); the exception to raise."""
+    from agent.callbacks import atomic_save
+
+    steps = int(model.num_timesteps)
+    path = run / "checkpoints" / f"model_{steps}_steps.zip"
+    with _ignoring_sigint():
+        atomic_save(model, path)
+    config = shlex.quote(cfg.source or str(run / "config.yaml"))
+    return TrainingInterrupted(f"training interrupted at step {steps}; checkpoint saved to {path}; resume with: "
+                               f"rlplace train --config {config} --run-dir {shlex.quote(str(run))} --resume",
+                               path, steps)
 
 
 def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.PathLike | None = None,
@@ -243,55 +395,57 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
     """Train (or resume) a MaskablePPO placement policy as the config says; returns the run summary.
 
     ``total_steps`` overrides the config's ``total_timesteps``: the step counter the run should reach
-    (on ``resume`` it trains only the remaining steps)."""
+    (on ``resume`` it trains only the remaining steps). The config, the tasks and the environments are
+    all checked before the run directory is created. Ctrl-C saves ``checkpoints/model_<steps>_steps.zip``
+    and raises :class:`TrainingInterrupted`."""
     import torch as th
     from sb3_contrib import MaskablePPO
-    from stable_baselines3.common.callbacks import CallbackList, CheckpointCallback
+    from stable_baselines3.common.callbacks import CallbackList
 
     from agent.callbacks import (
+        AtomicCheckpointCallback,
         BestPlanCallback,
         GanttCallback,
         GanttEvalCallback,
         HParamCallback,
         ProgressCallback,
+        TensorBoardResumeCallback,
+        atomic_save,
     )
     from agent.policy import GraphPlacementPolicy
+    from envs.files import atomic_write_text, check_output_dir
 
-    cfg = config if isinstance(config, TrainConfig) else load_config(config)
-    run = Path(run_dir) if run_dir is not None else Path("runs") / cfg.name
-    target = int(total_steps if total_steps is not None else cfg.total_timesteps)
+    given = config if isinstance(config, TrainConfig) else load_config(config)
+    run = Path(run_dir) if run_dir is not None else Path("runs") / given.name
+    target = int(total_steps if total_steps is not None else given.total_timesteps)
     if target < 1:
         raise TrainError(f"total steps must be >= 1, got {target}")
     say = log or (lambda _m: None)
     th.set_num_threads(1)  # small per-step batches: one thread each avoids oversubscribing shared cores
     t0 = time.time()
-    tasks = build_tasks(cfg.raw["tasks"], seed=cfg.seed)
-    eval_tasks = build_tasks(cfg.raw["eval_tasks"], seed=cfg.seed + 1000) if cfg.raw.get("eval_tasks") else []
+    cfg = _resume_config(run, given) if resume else given
+    if not resume:
+        check_output_dir(run, "run directory")
+    tasks, eval_tasks = task_lists(cfg)
     kw = env_kwargs(cfg)
-    run.mkdir(parents=True, exist_ok=True)
     model_path = run / "model.zip"
     if resume:
-        src = model_path if model_path.exists() else _latest_checkpoint(run)
-        if src is None:
-            raise TrainError(f"--resume: no model.zip or checkpoint in {run}")
-        saved = run / "config.yaml"
-        if saved.exists():  # the run's own config defines its tasks and shapes
-            cfg = load_config(yaml.safe_load(saved.read_text()), name=cfg.name)
-            tasks = build_tasks(cfg.raw["tasks"], seed=cfg.seed)
-            eval_tasks = build_tasks(cfg.raw["eval_tasks"], seed=cfg.seed + 1000) if cfg.raw.get("eval_tasks") else []
-            kw = env_kwargs(cfg)
-    else:
-        (run / "config.yaml").write_text(yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
-    venv = make_vec_env(tasks, kw, cfg.n_envs, cfg.seed)
-    eval_env = make_vec_env(eval_tasks, kw, 1, cfg.seed + 10_000) if eval_tasks else None
+        _remove_unfinished_saves(run)
+        src = pick_checkpoint(run, say)
+    venv, eval_env = build_envs(cfg, tasks, eval_tasks, kw)
     try:
         if resume:
-            model = MaskablePPO.load(src, env=venv, device="cpu")
+            try:
+                model = MaskablePPO.load(src, env=venv, device="cpu")
+            except ValueError as exc:  # spaces differ: the config's shapes changed since the checkpoint
+                raise TrainError(f"--resume: {src} does not fit the run's environment: {one_line(exc)}") from None
             model.tensorboard_log = str(run / "tb")
             say(f"resuming {src} at step {model.num_timesteps}")
         else:
             model = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", verbose=verbose,
                                 tensorboard_log=str(run / "tb"), policy_kwargs=cfg.policy, **cfg.ppo)
+            run.mkdir(parents=True, exist_ok=True)  # the first thing written, after every check
+            atomic_write_text(run / "config.yaml", yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
         remaining = target - model.num_timesteps
         cb_cfg = cfg.callbacks
         best_cb = BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"),
@@ -299,15 +453,20 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         known = {}
         if not resume and cfg.imitation is not None:
             known = _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say)
-        callbacks = [best_cb, HParamCallback(cfg), CheckpointCallback(
+        callbacks = [best_cb, HParamCallback(cfg), AtomicCheckpointCallback(
             save_freq=max(1, int(cb_cfg["checkpoint_freq"]) // cfg.n_envs), save_path=str(run / "checkpoints"),
             name_prefix="model")]
+        if resume:
+            callbacks.insert(0, TensorBoardResumeCallback(model.num_timesteps))
         if eval_env is not None:
             n_eval = cb_cfg["n_eval_episodes"] or max(len(eval_tasks), 1)
-            callbacks.append(GanttEvalCallback(eval_env, best_cb, n_eval_episodes=int(n_eval),
-                                               eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs),
-                                               best_model_save_path=str(run / "best"), log_path=str(run / "eval"),
-                                               deterministic=True, verbose=0))
+            eval_cb = GanttEvalCallback(eval_env, best_cb, n_eval_episodes=int(n_eval),
+                                        eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs),
+                                        best_model_save_path=str(run / "best"), log_path=str(run / "eval"),
+                                        deterministic=True, verbose=0)
+            if resume:
+                eval_cb.resume(int(model.num_timesteps), say)
+            callbacks.append(eval_cb)
         else:
             callbacks.append(GanttCallback(best_cb, eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs)))
         if cfg.self_imitation is not None:
@@ -318,18 +477,24 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         if progress:
             callbacks.append(ProgressCallback(best_cb, target))
         if remaining > 0:
-            with warnings.catch_warnings():  # Subproc training vs Dummy eval env is intended
-                warnings.filterwarnings("ignore", message="Training and eval env are not of the same type")
-                model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), tb_log_name=TB_NAME,
-                            reset_num_timesteps=not resume, progress_bar=False)
+            try:
+                with warnings.catch_warnings():  # Subproc training vs Dummy eval env is intended
+                    warnings.filterwarnings("ignore", message="Training and eval env are not of the same type")
+                    # reset_num_timesteps=False on resume: the same step counter and TensorBoard curve
+                    model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), tb_log_name=TB_NAME,
+                                reset_num_timesteps=not resume, progress_bar=False)
+            except KeyboardInterrupt:
+                for cb in callbacks:
+                    if isinstance(cb, ProgressCallback):
+                        cb.close()
+                raise _save_interrupted(model, run, given) from None
         else:
             say(f"already at step {model.num_timesteps} >= {target}; nothing to train")
-        model.save(model_path)
+        atomic_save(model, model_path)
         best = best_cb.summary()
     finally:
-        venv.close()
-        if eval_env is not None:
-            eval_env.close()
+        _close_quietly(venv)
+        _close_quietly(eval_env)
     return TrainResult(run_dir=run, model_path=model_path, num_timesteps=int(model.num_timesteps), best=best,
                        seconds=time.time() - t0)
 
@@ -339,6 +504,7 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
     Returns the cloned plans as self-imitation's known bests."""
     import json
 
+    from agent.callbacks import atomic_save
     from agent.imitation import best_heuristic_plans, warm_start
     from agent.self_imitation import known_from_imitation
     from envs.graph import atomic_write_json
@@ -350,8 +516,7 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
                               for name, (placer, _plan, st, oom) in plans.items()})
     report = warm_start(model, tasks, kw, plans=plans, seed=cfg.seed, log=say, **cfg.imitation)
     atomic_write_json(run / "imitation.json", json.loads(json.dumps(report, default=float)))
-    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
-    model.save(run / "checkpoints" / "model_0_steps.zip")  # the cloned policy, before any PPO step
+    atomic_save(model, run / "checkpoints" / "model_0_steps.zip")  # the cloned policy, before any PPO step
     return known_from_imitation(report, plans)
 
 
@@ -373,5 +538,6 @@ def greedy_scores(model, tasks: Sequence, kwargs: dict) -> np.ndarray:
     return np.array(out)
 
 
-__all__ = ["TrainConfig", "TrainResult", "TrainError", "load_config", "build_tasks", "train", "greedy_scores",
+__all__ = ["TrainConfig", "TrainResult", "TrainError", "TrainingInterrupted", "load_config", "parse_spec",
+           "build_tasks", "task_lists", "build_envs", "pick_checkpoint", "saved_steps", "train", "greedy_scores",
            "make_vec_env"]

@@ -45,7 +45,8 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
         lnf = node("ln_f", "layernorm", "ln_f", 5 * tok * h, 2 * h * e, act, [x])
         head = node("lm_head", "linear", "lm_head", 2 * tok * h * vocab, vocab * h * e, tok * vocab * e, [lnf])
         node("loss", "cross_entropy", "loss", 3 * tok * vocab, 0, 4, [head])
-    return builder.build(batch_size=batch, dtype=dtype,
+    return builder.build(batch_size=batch, dtype=dtype, meta={"family": "gpt", "heads": heads, "hidden": hidden,
+                                                              "layers": layers, "seq": seq},
                          name=name or f"transformer-l{layers}-h{hidden}-s{seq}-b{batch}")
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
+from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
 from envs.plan import DTYPE_BYTES, LAYOUTS
 from envs.topology import Topology
 
@@ -117,6 +117,7 @@ class OptionTable:
         ok = np.ones((caps.shape[0], self.size), dtype=bool)
         ok &= ~((lay == LAYOUTS.index("col_split")) & ((caps & CAN_COL) == 0))
         ok &= ~((lay == LAYOUTS.index("row_split")) & ((caps & CAN_ROW) == 0))
+        ok &= ~((lay == LAYOUTS.index("replicate")) & ((caps & CAN_REPLICATE) == 0))
         ok &= ~(((self.dp[None, :] > 1) | (lay == LAYOUTS.index("batch_split"))) & ((caps & CAN_BATCH) == 0))
         return ok
 

@@ -75,7 +75,7 @@ def parse_text(text: str, path: str | os.PathLike, what: str, error: type[Rlplac
         import yaml
 
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -87,6 +87,29 @@ def parse_text(text: str, path: str | os.PathLike, what: str, error: type[Rlplac
         raise error(f"{what} {p} is not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from None
     except (ValueError, RecursionError) as exc:
         raise error(f"{what} {p} is not valid JSON: {one_line(exc)}") from None
+
+
+_YAML_LOADER = None
+
+
+def _yaml_loader():
+    """PyYAML's SafeLoader that also reads ``300e9`` and ``1e-6`` as floats (YAML 1.1 wants a dot and a
+    sign in the exponent, so those would be strings; users write them in topology files)."""
+    global _YAML_LOADER
+    if _YAML_LOADER is None:
+        import re
+
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.add_implicit_resolver(
+            "tag:yaml.org,2002:float",
+            re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+            list("-+0123456789"))
+        _YAML_LOADER = Loader
+    return _YAML_LOADER
 
 
 def read_document(path: str | os.PathLike, what: str, error: type[RlplaceError]) -> Any:

@@ -66,23 +66,28 @@ def _as_f64(values, n: int, what: str) -> np.ndarray:
     return arr
 
 
-def _as_i64(values, n: int | None, what: str) -> np.ndarray:
-    """Integers as int64, refusing non-integral numbers (1.7 is not a node index) and non-numbers."""
+def int_array(values, what: str, error: type[Exception] = GraphError, n: int | None = None) -> np.ndarray:
+    """Integers as int64, refusing non-integral numbers (1.7 is not a node index), booleans and strings;
+    ``n``: the number of entries expected."""
     try:
         raw = np.asarray(values).reshape(-1)
     except (TypeError, ValueError) as exc:
-        raise GraphError(f"{what} must be integers ({exc})") from None
-    if raw.dtype == bool or not (np.issubdtype(raw.dtype, np.integer) or np.issubdtype(raw.dtype, np.floating)
-                                 or raw.size == 0):
-        raise GraphError(f"{what} must be integers, got {raw.dtype} values")
+        raise error(f"{what} must be integers ({exc})") from None
+    if raw.size and (raw.dtype == bool or not (np.issubdtype(raw.dtype, np.integer)
+                                               or np.issubdtype(raw.dtype, np.floating))):
+        raise error(f"{what} must be integers, got {raw.dtype} values")
     if np.issubdtype(raw.dtype, np.floating):
-        bad = np.flatnonzero(~np.isfinite(raw) | (raw != np.round(raw)))
+        bad = np.flatnonzero(~np.isfinite(raw) | (raw != np.round(raw)) | (np.abs(raw) > 2.0**62))
         if bad.size:
-            raise GraphError(f"{what}[{int(bad[0])}] is {raw[bad[0]]}, not an integer")
+            raise error(f"{what}[{int(bad[0])}] is {raw[bad[0]]}, not an integer")
     arr = raw.astype(np.int64)
     if n is not None and arr.shape[0] != n:
-        raise GraphError(f"{what} has {arr.shape[0]} entries, expected {n}")
+        raise error(f"{what} has {arr.shape[0]} entries, expected {n}")
     return arr
+
+
+def _as_i64(values, n: int | None, what: str) -> np.ndarray:
+    return int_array(values, what, GraphError, n)
 
 
 def _check_range(arr: np.ndarray, names: Sequence[str], what: str, lo: float, hi: float) -> None:
@@ -298,6 +303,24 @@ class OpGraph:
         while arg[path[-1]] >= 0:
             path.append(int(arg[path[-1]]))
         return float(dist[end]), path[::-1]
+
+    def fingerprint(self) -> str:
+        """A short hash of the graph's structure (node names, kinds, edges): plans record it so a plan
+        is not silently applied to another graph that happens to have as many nodes."""
+        stamp = (self.num_nodes, self.num_edges)
+        cached = getattr(self, "_fp", None)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        import hashlib
+
+        h = hashlib.sha256()
+        h.update("\0".join(self.names).encode())
+        h.update(b"\1" + "\0".join(self.kinds).encode())
+        h.update(np.ascontiguousarray(self.edge_src, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.edge_dst, dtype=np.int64).tobytes())
+        fp = h.hexdigest()[:16]
+        self._fp = (stamp, fp)
+        return fp
 
     def total_params(self) -> float:
         return float(self.param_bytes.sum())

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs.errors import PlanError
-from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, DTYPE_BYTES, OpGraph, atomic_write_json
+from envs.graph import (
+    CAN_BATCH,
+    CAN_COL,
+    CAN_REPLICATE,
+    CAN_ROW,
+    DTYPE_BYTES,
+    OpGraph,
+    atomic_write_json,
+    int_array,
+)
 from envs.topology import Topology
 
 FORMAT = "rlplace.plan"
@@ -38,6 +47,33 @@ SCHEDULES = ("gpipe", "1f1b")
 # Mixed-precision Adam: fp16/bf16 weights (2) + grads (2) + fp32 master, momentum, variance (12)
 # = 16 bytes per parameter (Rajbhandari et al., ZeRO, SC'20, Sec. 3.1).
 ADAM_MIXED_BYTES_PER_PARAM = 16.0
+
+
+def _device_group(g, i: int) -> tuple[int, ...]:
+    """A node's device group as a tuple of ints (refusing strings, booleans and non-integral numbers)."""
+    if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
+        raise PlanError(f"node {i}: devices must be a list of device indices, got {g!r}")
+    out = []
+    for d in g:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            if isinstance(d, (float, np.floating)) and float(d).is_integer():
+                d = int(d)
+            else:
+                raise PlanError(f"node {i}: device {d!r} is not a device index (an integer)")
+        out.append(int(d))
+    return tuple(out)
+
+
+def _flags(values, n: int) -> np.ndarray:
+    """Per-node booleans: bools or 0/1 (a string like "no" is not a flag)."""
+    arr = np.asarray(values).reshape(-1)
+    if arr.dtype == bool:
+        return arr
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise PlanError(f"recompute must be true/false per node, got {arr.dtype} values")
+    if arr.size and not np.isin(arr, (0, 1)).all():
+        raise PlanError("recompute must be true/false (or 0/1) per node")
+    return arr.astype(bool)
 
 
 @dataclass(eq=False)
@@ -52,23 +88,44 @@ class Plan:
     dtype: str = "bf16"
     state_bytes_per_param: float = ADAM_MIXED_BYTES_PER_PARAM
     provenance: dict = field(default_factory=dict)
+    graph_id: dict | None = None  # {"name", "num_nodes", "fingerprint"} of the graph the plan was made for
 
     def __post_init__(self) -> None:
         n = len(self.groups)
-        self.groups = [tuple(int(d) for d in g) for g in self.groups]
+        memo: dict = {}
+        groups = []
+        for i, g in enumerate(self.groups):
+            key = g if isinstance(g, tuple) else None
+            t = memo.get(key) if key is not None else None
+            if t is None:
+                t = _device_group(g, i)
+                if key is not None:
+                    memo[key] = t
+            groups.append(t)
+        self.groups = groups
         self.layouts = [str(x) for x in self.layouts]
         if len(self.layouts) != n:
             raise PlanError(f"plan has {n} groups but {len(self.layouts)} layouts")
         if self.dp is None:
             self.dp = np.array([len(g) if lay == "batch_split" else 1 for g, lay in zip(self.groups, self.layouts)],
                                dtype=np.int64)
-        self.dp = np.asarray(self.dp, dtype=np.int64).reshape(-1)
-        if self.recompute is None:
-            self.recompute = np.zeros(n, dtype=bool)
-        self.recompute = np.asarray(self.recompute, dtype=bool).reshape(-1)
+        self.dp = int_array(self.dp, "dp", PlanError)
+        self.recompute = np.zeros(n, dtype=bool) if self.recompute is None else _flags(self.recompute, n)
         if self.dp.shape[0] != n or self.recompute.shape[0] != n:
             raise PlanError("plan arrays (dp, recompute) do not match the number of nodes")
-        self.microbatches = int(self.microbatches)
+        for what in ("microbatches", "global_batch"):
+            v = getattr(self, what)
+            if v is None and what == "global_batch":
+                continue
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise PlanError(f"{what} must be an integer, got {v!r}")
+            setattr(self, what, int(v))
+        self.state_bytes_per_param = float(self.state_bytes_per_param)
+
+    def bind(self, graph: OpGraph) -> Plan:
+        """Record which graph this plan is for (checked by :meth:`validate`); returns the plan."""
+        self.graph_id = {"name": graph.name, "num_nodes": graph.num_nodes, "fingerprint": graph.fingerprint()}
+        return self
 
     @property
     def num_nodes(self) -> int:
@@ -101,6 +158,9 @@ class Plan:
     def validate(self, graph: OpGraph, topology: Topology) -> None:
         if self.num_nodes != graph.num_nodes:
             raise PlanError(f"plan has {self.num_nodes} nodes, graph {graph.name!r} has {graph.num_nodes}")
+        if self.graph_id and self.graph_id.get("fingerprint") != graph.fingerprint():
+            raise PlanError(f"the plan was made for graph {self.graph_id.get('name')!r} (fingerprint "
+                            f"{self.graph_id.get('fingerprint')}), not for {graph.name!r} ({graph.fingerprint()})")
         if self.microbatches < 1:
             raise PlanError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.schedule not in SCHEDULES:
@@ -143,6 +203,9 @@ class Plan:
                 raise PlanError(f"{who} ({graph.kinds[i]}) does not allow col_split")
             if lay == "row_split" and not caps & CAN_ROW:
                 raise PlanError(f"{who} ({graph.kinds[i]}) does not allow row_split")
+            if lay == "replicate" and not caps & CAN_REPLICATE:
+                raise PlanError(f"{who} ({graph.kinds[i]}) does not allow replicate (it may run on one device only)"
+                                if not caps else f"{who} ({graph.kinds[i]}) does not allow replicate")
             if mb % dp:
                 raise PlanError(f"{who}: microbatch of {mb} samples does not split over dp={dp}")
         for i in graph.meta.get("cpu_only") or []:  # ops the accelerators cannot run (imported workloads)
@@ -161,41 +224,48 @@ class Plan:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "microbatches": self.microbatches,
-                "schedule": self.schedule, "global_batch": self.global_batch, "dtype": self.dtype,
-                "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
-                "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc)}
-                          for g, lay, dp, rc in zip(self.groups, self.layouts, self.dp, self.recompute)]}
+        d = {"format": FORMAT, "version": VERSION, "microbatches": self.microbatches,
+             "schedule": self.schedule, "global_batch": self.global_batch, "dtype": self.dtype,
+             "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
+             "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc)}
+                       for g, lay, dp, rc in zip(self.groups, self.layouts, self.dp, self.recompute)]}
+        if self.graph_id:
+            d["graph"] = dict(self.graph_id)
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> Plan:
+    def from_dict(cls, d: dict, source: str | os.PathLike | None = None) -> Plan:
+        """A Plan from its JSON dict (checked against ``envs.schema.PlanDoc``; ``source`` names the file)."""
+        from envs.files import validated
+        from envs.schema import PlanDoc
+
+        where = f"{source}: " if source is not None else ""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise PlanError(f"not an rlplace plan (expected format {FORMAT!r})")
-        if int(d.get("version", 0)) > VERSION:
-            raise PlanError(f"plan file version {d.get('version')} is newer than this rlplace ({VERSION})")
+            raise PlanError(f"{where}not an rlplace plan (expected \"format\": {FORMAT!r})")
+        version = d.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+            raise PlanError(f"{where}plan file version {version} is newer than this rlplace reads ({VERSION})")
+        doc = validated(PlanDoc, d, "plan", PlanError, source)
+        nodes = doc.nodes
         try:
-            nodes = d["nodes"]
-            return cls(groups=[tuple(nd["devices"]) for nd in nodes], layouts=[nd["layout"] for nd in nodes],
-                       dp=[nd.get("dp", 1) for nd in nodes], recompute=[nd.get("recompute", False) for nd in nodes],
-                       microbatches=d.get("microbatches", 1), schedule=d.get("schedule", "1f1b"),
-                       global_batch=d.get("global_batch"), dtype=d.get("dtype", "bf16"),
-                       state_bytes_per_param=float(d.get("state_bytes_per_param", ADAM_MIXED_BYTES_PER_PARAM)),
-                       provenance=d.get("provenance", {}))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"malformed plan file: {exc!r}") from exc
+            return cls(groups=[tuple(nd.devices) for nd in nodes], layouts=[nd.layout for nd in nodes],
+                       dp=[nd.dp for nd in nodes], recompute=[nd.recompute for nd in nodes],
+                       microbatches=doc.microbatches, schedule=doc.schedule, global_batch=doc.global_batch,
+                       dtype=doc.dtype, state_bytes_per_param=doc.state_bytes_per_param,
+                       provenance=dict(doc.provenance),
+                       graph_id=doc.graph.model_dump() if doc.graph is not None else None)
+        except PlanError as exc:
+            raise PlanError(f"{where}{exc}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
-        try:
-            with open(path) as f:
-                return cls.from_dict(json.load(f))
-        except FileNotFoundError as exc:
-            raise PlanError(f"plan file not found: {path}") from exc
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {path} is not valid JSON: {exc}") from exc
+        """Read a plan JSON file (one-line PlanError for anything wrong with it)."""
+        from envs.files import read_document
+
+        return cls.from_dict(read_document(path, "plan file", PlanError), source=path)
 
     def key(self) -> bytes:
         """A hashable identity of the plan's decisions (for evaluation caches)."""
@@ -206,7 +276,7 @@ class Plan:
         p = Plan(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
                  recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
                  global_batch=self.global_batch, dtype=self.dtype, state_bytes_per_param=self.state_bytes_per_param,
-                 provenance=dict(self.provenance))
+                 provenance=dict(self.provenance), graph_id=self.graph_id)
         for k, v in changes.items():
             setattr(p, k, v)
         p.__post_init__()
@@ -217,14 +287,14 @@ class Plan:
 def single_device(graph: OpGraph, topology: Topology, device: int | None = None, **kw) -> Plan:
     d = topology.fastest_device(kw.get("dtype", "bf16")) if device is None else int(device)
     n = graph.num_nodes
-    return Plan(groups=[(d,)] * n, layouts=["single"] * n, provenance={"placer": "single_device"}, **kw)
+    return Plan(groups=[(d,)] * n, layouts=["single"] * n, provenance={"placer": "single_device"}, **kw).bind(graph)
 
 
 def data_parallel(graph: OpGraph, topology: Topology, group: tuple[int, ...] | None = None, **kw) -> Plan:
     g = tuple(range(topology.num_devices)) if group is None else tuple(group)
     layouts = ["batch_split" if (c & CAN_BATCH) else "single" for c in graph.layout_caps.tolist()]
     groups = [g if lay == "batch_split" else (g[0],) for lay in layouts]
-    return Plan(groups=groups, layouts=layouts, provenance={"placer": "data_parallel"}, **kw)
+    return Plan(groups=groups, layouts=layouts, provenance={"placer": "data_parallel"}, **kw).bind(graph)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -300,6 +370,9 @@ def megatron(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp
         raise PlanError(f"tp*pp*dp = {tp * pp * dp} exceeds the topology's {topology.num_devices} devices")
     if pp > graph.num_nodes:
         raise PlanError(f"pp={pp} exceeds the graph's {graph.num_nodes} nodes")
+    heads = graph.meta.get("heads")
+    if tp > 1 and isinstance(heads, int) and heads % tp:
+        raise PlanError(f"tp={tp} does not divide the model's {heads} attention heads (Megatron splits by head)")
     gb = int(global_batch if global_batch is not None else graph.batch_size)
     mbs = int(microbatch_size if microbatch_size is not None else max(1, gb // max(dp, 1)))
     if gb % (mbs * dp):
@@ -326,4 +399,4 @@ def megatron(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp
     rc = recompute in (True, "full")
     return Plan(groups=groups, layouts=lays, dp=dps, recompute=np.full(graph.num_nodes, rc),
                 microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype,
-                provenance={"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs})
+                provenance={"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs}).bind(graph)

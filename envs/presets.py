@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from envs.errors import TopologyError
-from envs.topology import Device, Link, Topology
+from envs.topology import Device, Link, Topology, check_device_count
 
 GB = 1e9
 GiB = 2**30
@@ -81,6 +81,7 @@ def a100_cluster(nodes: int = 2) -> Topology:
     (DGX A100 user guide: 8 compute NICs per node)."""
     if nodes < 1:
         raise TopologyError("a100-80g-cluster needs nodes >= 1")
+    check_device_count(nodes * 8, f"a100-80g-cluster:nodes={nodes}")  # before building anything
     devices, switches, links = [], ["ib-fabric"], []
     for h in range(nodes):
         devs = [_a100(f"n{h}.gpu{i}", h) for i in range(8)]
@@ -150,6 +151,9 @@ def cpu_local(devices: int = 2) -> Topology:
     """This host's CPU cores as ``devices`` local devices. Defaults are conservative guesses for one
     modern x86 core with AVX2 (2 FMA x 8 fp32 lanes x ~3 GHz ~ 100 GFLOP/s peak); `rlplace profile
     --measure` replaces them with measured numbers (written to ~/.rlplace/topologies/cpu-local.json)."""
+    if devices < 1:
+        raise TopologyError("cpu-local needs devices >= 1")
+    check_device_count(devices, f"cpu-local:devices={devices}")
     path = calibrated_cpu_local_path()
     if path.exists():
         topo = Topology.load(path)

@@ -29,7 +29,6 @@ import importlib
 import io
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from agent.lower_bound import lower_bound
 from agent.placers import PLACERS, SEARCH_PLACERS, Budget, run_placer
 from agent.placers.common import Scorer, finish
 from envs.errors import RlplaceError
+from envs.files import atomic_write_text
 from envs.gantt import save_figure
 from envs.graph import OpGraph
 from envs.plan import Plan
@@ -361,20 +361,6 @@ def run_suite(suite: Suite, out_dir: str | os.PathLike, *, budget: Budget | None
 # ---------------------------------------------------------------------- report
 def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path`` and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _fmt_t(t: float, unit: str = "s") -> str:

@@ -112,4 +112,7 @@ def trace_hf(config: Any, *, batch_size: int = 1, seq: int = 128, dtype: str = "
     g = graph_from_export(ep, batch_size=batch_size, dtype=dtype, name=gname)
     g.meta["hf_model"] = type(model).__name__
     g.meta["seq"] = seq
+    heads = getattr(model.config, "num_attention_heads", None)
+    if isinstance(heads, int):
+        g.meta["heads"] = heads  # tensor parallelism splits attention by heads (envs.plan.megatron checks it)
     return g

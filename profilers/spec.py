@@ -63,10 +63,26 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
         if key not in valid:
             raise SpecError(f"unknown knob {key!r} for {family}; knobs: "
                             + ", ".join(f"{k}={v}" for k, v in valid.items()))
-        out[key] = _number(value.strip())
-        if not isinstance(out[key], (int, float)):
-            raise SpecError(f"knob {key}={value!r} in {spec!r} must be a number")
+        out[key] = _knob_value(family, key, value.strip(), valid[key], spec)
     return family, out
+
+
+MAX_KNOB = 10**7  # no zoo knob (layers, widths, sequence, batch, vocabulary) is meaningful above this
+
+
+def _knob_value(family: str, key: str, text: str, default: Any, spec: str) -> int | float:
+    """A knob's value: a number > 0, an integer where the default is one, at most ``MAX_KNOB``."""
+    value = _number(text)
+    if isinstance(value, str) or value != value or value in (float("inf"), float("-inf")):
+        raise SpecError(f"knob {key}={text!r} in {spec!r} must be a number")
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise SpecError(f"knob {key}={text!r} of {family} must be an integer")
+            value = int(value)
+    if not 0 < value <= MAX_KNOB:
+        raise SpecError(f"knob {key}={text} of {family} must be > 0 and <= {MAX_KNOB:g}")
+    return value
 
 
 def knobs(family: str) -> dict[str, Any]:
@@ -88,6 +104,12 @@ def _number(text: str) -> int | float | str:
     return text
 
 
+def _first_line(exc: BaseException) -> str:
+    from envs.files import one_line
+
+    return one_line(exc)
+
+
 def _split_file_spec(spec: str) -> tuple[str, str] | None:
     path, sep, fn = spec.rpartition(":")
     if sep and path.endswith(".py") and fn.isidentifier():
@@ -106,8 +128,10 @@ def _load_builder(path: str, fn: str):
     module = importlib.util.module_from_spec(modspec)
     try:
         modspec.loader.exec_module(module)
+    except SystemExit as exc:
+        raise SpecError(f"executing {path} called sys.exit({exc.code!r}) instead of defining a model") from None
     except Exception as exc:
-        raise SpecError(f"executing {path} failed: {type(exc).__name__}: {exc}") from exc
+        raise SpecError(f"executing {path} failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     builder = getattr(module, fn, None)
     if not callable(builder):
         names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
@@ -130,8 +154,11 @@ def build_model(spec: str, *, input_shape: Sequence[int] | None = None,
         with torch.device("meta"):
             try:
                 out = builder()
+            except SystemExit as exc:
+                raise SpecError(f"{fs[0]}:{fs[1]}() called sys.exit({exc.code!r}) instead of returning a model") \
+                    from None
             except Exception as exc:
-                raise SpecError(f"{fs[0]}:{fs[1]}() failed: {type(exc).__name__}: {exc}") from exc
+                raise SpecError(f"{fs[0]}:{fs[1]}() failed: {type(exc).__name__}: {_first_line(exc)}") from exc
             if input_shape is not None:
                 shape_input = torch.randn(tuple(int(s) for s in input_shape))
         if isinstance(out, nn.Module):
@@ -157,8 +184,8 @@ def build_model(spec: str, *, input_shape: Sequence[int] | None = None,
     try:
         with torch.device("meta"):
             module, inputs = FAMILIES[family](**values)
-    except (ValueError, TypeError) as exc:
-        raise SpecError(f"bad knobs for {family} in {spec!r}: {exc}") from exc
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise SpecError(f"bad knobs for {family} in {spec!r}: {_first_line(exc)}") from exc
     return module, inputs, int(values.get("batch", knobs(family)["batch"]))
 
 
@@ -178,7 +205,7 @@ def graph_from_spec(spec: str | OpGraph, *, dtype: str = "bf16", input_shape: Se
     if dtype not in DTYPES:
         raise SpecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     shape = tuple(int(s) for s in input_shape) if input_shape is not None else None
-    if str(spec).endswith(".json"):
+    if str(spec).endswith(".json") or (os.path.isfile(str(spec)) and _split_file_spec(str(spec)) is None):
         if not os.path.exists(spec):
             raise SpecError(f"graph file not found: {spec}")
         return OpGraph.load(spec)
@@ -200,7 +227,12 @@ def graph_from_spec(spec: str | OpGraph, *, dtype: str = "bf16", input_shape: Se
 def _cached_graph(_key: str, spec: str, dtype: str, input_shape: tuple[int, ...] | None,
                   batch: int | None) -> OpGraph:
     module, inputs, b = build_model(spec, input_shape=input_shape, batch=batch)
-    return trace(module, inputs, batch_size=b, dtype=dtype, name=spec)
+    g = trace(module, inputs, batch_size=b, dtype=dtype, name=spec)
+    if _split_file_spec(spec) is None:  # a zoo member: record the shape knobs plans depend on
+        family, values = parse_spec(spec)
+        full = {**knobs(family), **values}
+        g.meta.update({"family": family, **({"heads": int(full["heads"])} if "heads" in full else {})})
+    return g
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from envs.errors import RlplaceError
-from envs.graph import CAN_BATCH, OpGraph, default_layout_caps
+from envs.graph import CAN_BATCH, CAN_REPLICATE, OpGraph, default_layout_caps
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                                   "tf32": torch.float32}
@@ -576,7 +576,7 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
     pbytes = np.array([sum(param_bytes_of.get(p, 0.0) for p in rec[n]["params"]) for n in kept])
     out_bytes = np.array([rec[n]["out"] for n in kept])
     in_bytes = np.array([rec[n]["in_bytes"] for n in kept])
-    caps = np.array([CAN_BATCH if k == "input" else default_layout_caps(k, pb > 0)
+    caps = np.array([CAN_BATCH | CAN_REPLICATE if k == "input" else default_layout_caps(k, pb > 0)
                      for k, pb in zip(kinds, pbytes)], dtype=np.int64)
     es = sorted(edge)
     unused = sorted(set(param_bytes_of) - set(assigned))

@@ -392,12 +392,14 @@ def test_option_table_layouts_and_mixed_parallelism():
     assert (whole, "batch_split", 16) in look
     # across hosts: tensor parallel inside each host (tp = 8), data parallel across the 2 hosts
     assert (whole, "row_split", 2) in look and (whole, "col_split", 16) not in look
-    caps = np.array([1, 1 | 2 | 4, 1 | 2, 0])
+    caps = np.array([1 | 8, 1 | 2 | 4 | 8, 1 | 2 | 8, 0, 1])
     ok = opts.allowed(caps)
     lay = np.array(["single", "batch_split", "col_split", "row_split", "replicate"])[opts.layout]
     assert not ok[0, lay == "col_split"].any() and ok[1].all()
     assert not ok[2, lay == "row_split"].any() and ok[2, lay == "col_split"].all()
     assert ok[3, lay == "single"].all() and not ok[3, opts.dp > 1].any()
+    assert not ok[3, lay != "single"].any()  # caps 0: one device only, no replicate either
+    assert not ok[4, lay == "replicate"].any() and ok[4, lay == "batch_split"].all()
 
 
 def test_multi_host_rollouts_are_valid():

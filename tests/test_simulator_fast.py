@@ -174,7 +174,7 @@ def test_trillion_parameter_gpt_on_512_gpus_within_10_s():
     plan = megatron(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=512)
     params = g.param_bytes.sum() / 2
     assert 0.95e12 < params < 1.05e12
-    small = transformer_graph(layers=2, hidden=256, heads=4, seq=64, vocab=100, batch=4)
+    small = transformer_graph(layers=2, hidden=256, heads=8, seq=64, vocab=100, batch=4)
     simulate(small, topo, megatron(small, topo, tp=8, pp=2, microbatch_size=1, global_batch=4), fast_path=True)
     t0 = time.perf_counter()  # (the line above compiled the numba kernels, if this test runs first)
     rep = simulate(g, topo, plan, timeline=False, validate=False)

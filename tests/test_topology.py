@@ -62,8 +62,8 @@ links:
 
 @pytest.mark.parametrize("links, message", [
     ([{"a": "gpu0", "b": "nope", "bandwidth": 1e9}], "unknown device or switch 'nope'"),
-    ([{"a": "gpu0", "b": "gpu1", "bandwidth": 0}], "bandwidth must be > 0"),
-    ([{"a": "gpu0", "b": "gpu1", "bandwidth": -5}], "bandwidth must be > 0"),
+    ([{"a": "gpu0", "b": "gpu1", "bandwidth": 0}], r"links\[0\]\.bandwidth: Input should be greater than 0"),
+    ([{"a": "gpu0", "b": "gpu1", "bandwidth": -5}], r"links\[0\]\.bandwidth: Input should be greater than 0"),
     ([], "unreachable"),
 ])
 def test_bad_topologies(links, message):

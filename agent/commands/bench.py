@@ -11,16 +11,18 @@ from agent.placers.common import Budget
 def bench_cmd(
     suite: str = typer.Option("default", "--suite", "-s", help="suite name (experiments/suites/NAME.yaml) or yaml path"),
     policy: str = typer.Option(None, "--policy", help="checkpoint of a trained policy to include (needs agent.infer)"),
-    budget_seconds: float = typer.Option(None, "--budget-seconds", help="wall-clock budget per search placer and case "
+    budget_seconds: float = typer.Option(None, "--budget-seconds", min=0.001, max=86_400.0, help="wall-clock budget per search placer and case "
                                          "(replaces the suite's budget; results then depend on machine speed)"),
-    budget_evaluations: int = typer.Option(None, "--budget-evaluations", help="simulator evaluations per search placer "
+    budget_evaluations: int = typer.Option(None, "--budget-evaluations", min=1, help="simulator evaluations per search placer "
                                            "and case (replaces the suite's budget)"),
     out: str = typer.Option("experiments/results", "--out", "-o", help="output folder"),
     no_gantt: bool = typer.Option(False, "--no-gantt", help="skip the Gantt charts of the best plans"),
 ) -> None:
     """Benchmark the placers on a suite of cases against lower bounds."""
+    from envs.files import check_output_dir
     from experiments.bench import load_suite, run_suite
 
+    check_output_dir(out, "output folder")
     s = load_suite(suite)
     budget = None
     if budget_seconds is not None or budget_evaluations is not None:

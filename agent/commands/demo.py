@@ -6,7 +6,7 @@ import typer
 
 
 def demo_cmd(
-    steps: int = typer.Option(None, "--steps", help="training steps (default: the demo config's, ~5 min on 2 cores)"),
+    steps: int = typer.Option(None, "--steps", min=1, help="training steps (default: the demo config's, ~5 min on 2 cores)"),
     out: str = typer.Option("runs", "--out", help="directory for the run, the plan and its Gantt chart"),
     model: str = typer.Option("gpt-medium", "--model", help="the held-out model to place"),
     topology: str = typer.Option("dgx-a100-80g", "--topology", "-t"),

@@ -33,10 +33,12 @@ def import_files(fmt: str, file: str, outdir: str, split: str | None = None) -> 
     ``outdir`` (each written atomically) and return their paths. Nothing is written if reading fails."""
     if fmt not in FORMATS:
         raise ImportFormatError(f"unknown import format {fmt!r}; choose one of {', '.join(sorted(FORMATS))}")
+    from envs.files import check_output_dir
+
+    out = check_output_dir(outdir, "output folder")
     read_workload, read_split = FORMATS[fmt]()
     graph, topo = read_workload(file)
-    plan = read_split(split, graph, topo) if split else None
-    out = Path(outdir)
+    plan = read_split(split, graph, topo).bind(graph) if split else None
     paths = {"graph": out / "graph.json", "topology": out / "topology.json"}
     graph.save(paths["graph"])
     topo.save(paths["topology"])

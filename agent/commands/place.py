@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+MAX_SEARCH_SECONDS = 86_400.0  # a day of local search is the most `--search-seconds` takes
 
 
 def _fmt(t: float) -> str:
@@ -37,20 +39,26 @@ def place_cmd(
     topology: str = typer.Option("dgx-a100-80g", "--topology", "-t", help="preset name or yaml/JSON file"),
     policy: str = typer.Option(None, "--policy", help="policy .zip (default: the shipped pretrained policy)"),
     objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
-    samples: int = typer.Option(8, "--samples", help="sampled rollouts besides the greedy one"),
-    finetune_steps: int = typer.Option(0, "--finetune-steps", help="PPO steps on this task before the rollouts"),
-    search_seconds: float = typer.Option(0.0, "--search-seconds", help="local search (MCMC) from the best plan"),
-    max_groups: int = typer.Option(None, "--max-groups", help="coarsen to at most this many groups (default: the policy's)"),
+    samples: int = typer.Option(8, "--samples", min=0, help="sampled rollouts besides the greedy one"),
+    finetune_steps: int = typer.Option(0, "--finetune-steps", min=0, help="PPO steps on this task before the rollouts"),
+    search_seconds: float = typer.Option(0.0, "--search-seconds", min=0.0, max=MAX_SEARCH_SECONDS,
+                                         help="local search (MCMC) from the best plan, seconds"),
+    max_groups: int = typer.Option(None, "--max-groups", min=1, help="coarsen to at most this many groups (default: the policy's)"),
     seed: int = typer.Option(0, "--seed"),
     output: str = typer.Option("plan.json", "--output", "-o", help="plan JSON to write (and a .png Gantt chart)"),
     gantt: str = typer.Option(None, "--gantt", help="Gantt PNG path (default: next to the plan)"),
 ) -> None:
     """Place a model: policy rollouts + fast baselines (+ fine-tune / search); never worse than the baselines."""
-    from agent.infer import place, resolve_model
-    from envs.gantt import save_gantt
+    from agent.commands.simulate import write_plan_and_chart
+    from agent.infer import PlaceError, place, resolve_model
+    from envs.files import check_output_path
     from envs.simulator import simulate
     from envs.topology import resolve_topology
 
+    if not math.isfinite(search_seconds):
+        raise PlaceError(f"--search-seconds must be a finite number of seconds, got {search_seconds}")
+    out = check_output_path(output, "plan")
+    png = check_output_path(gantt if gantt else out.with_suffix(".png"), "Gantt chart")
     g = resolve_model(model)
     topo = resolve_topology(topology)
     res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
@@ -58,11 +66,9 @@ def place_cmd(
     con = Console(width=140)
     con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
     print_comparison(res, objective, console=con)
-    out = Path(output)
-    res.plan.save(out)
-    png = Path(gantt) if gantt else out.with_suffix(".png")
     rep = simulate(g, topo, res.plan, "step_time" if objective == "throughput" else objective)
-    save_gantt(rep, png, title=f"{g.name} on {topo.name}: {res.best.name} ({_fmt(rep.step_time)})")
+    write_plan_and_chart(res.plan, str(out), rep, str(png),
+                         title=f"{g.name} on {topo.name}: {res.best.name} ({_fmt(rep.step_time)})")
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
 
 

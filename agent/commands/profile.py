@@ -40,7 +40,7 @@ def profile(
                                  "with --device cuda), attach the times, and calibrate the cpu-local "
                                  "topology (~/.rlplace/topologies/cpu-local.json, or $RLPLACE_HOME)"),
     device: str = typer.Option("cpu", "--device", help="device for --measure"),
-    repeats: int = typer.Option(5, "--repeats", min=1, help="timed runs per op for --measure (median)"),
+    repeats: int = typer.Option(5, "--repeats", min=1, max=10_000, help="timed runs per op for --measure (median)"),
     no_link: bool = typer.Option(False, "--no-link", help="with --measure: skip the process-to-process "
                                  "copy benchmark (keep default link numbers)"),
     output: Path | None = typer.Option(None, "--output", "-o", help="write the graph JSON here"),
@@ -54,6 +54,10 @@ def profile(
     if dtype not in DTYPES:
         raise ProfileArgsError(f"unknown --dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     shape = _shape(input_shape)
+    if output is not None:
+        from envs.files import check_output_path
+
+        check_output_path(output, "graph")
     if shape is not None and ".py:" not in model:
         raise ProfileArgsError("--input-shape applies to file specs (path/to/file.py:build_fn) only")
     graph = graph_from_spec(model, dtype=dtype, input_shape=shape, batch=batch)

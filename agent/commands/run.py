@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from envs.files import finite_json
 
 
 def _fmt_time(t: float) -> str:
@@ -17,14 +18,16 @@ def _fmt_time(t: float) -> str:
 def run_cmd(
     plan: str = typer.Argument(..., help="plan JSON file (made for the graph of --model)"),
     model: str = typer.Option(..., "--model", "-m", help="model spec, e.g. gpt:layers=2,hidden=64 or file.py:build_fn"),
-    steps: int = typer.Option(5, "--steps", help="timed training steps"),
-    warmup: int = typer.Option(1, "--warmup", help="untimed warm-up steps before them"),
+    steps: int = typer.Option(5, "--steps", min=1, max=100_000, help="timed training steps"),
+    warmup: int = typer.Option(1, "--warmup", min=0, max=100_000, help="untimed warm-up steps before them"),
     backend: str = typer.Option(None, "--backend", help="gloo (CPU) or nccl (CUDA); default nccl if CUDA is present"),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, bf16 or fp16 (the reference check is tightest in fp32)"),
     seed: int = typer.Option(0, "--seed", help="seed of the weights and the synthetic data"),
-    timeout: float = typer.Option(300.0, "--timeout", help="seconds the local workers may run in all"),
+    timeout: float = typer.Option(300.0, "--timeout", min=1.0, max=7 * 86_400.0,
+                                  help="seconds the local workers may run in all"),
     no_check: bool = typer.Option(False, "--no-check", help="skip the single-process reference loss check"),
-    check_steps: int = typer.Option(2, "--check-steps", help="steps whose loss must match the reference (0: all)"),
+    check_steps: int = typer.Option(2, "--check-steps", min=0,
+                                    help="steps whose loss must match the reference (0: all)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Run WARMUP + STEPS training steps of the plan with torch.distributed (local workers, or this rank
@@ -41,7 +44,7 @@ def run_cmd(
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        typer.echo(finite_json(report.to_dict(), indent=2))
     else:
         con = Console(width=160)
         con.print(f"[bold]{model}[/bold]: pp={report.pp} dp={report.dp} tp={report.tp}, "

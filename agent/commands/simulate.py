@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from agent.resolve import resolve_graph
 from envs.errors import PlanError
-from envs.plan import Plan, data_parallel, megatron, single_device
+from envs.files import check_output_path, finite_json
+from envs.plan import SCHEDULES, Plan, data_parallel, megatron, single_device
 from envs.simulator import OBJECTIVES, StepReport, simulate
 from envs.topology import resolve_topology
 
@@ -41,11 +40,12 @@ def simulate_cmd(
     graph: str = typer.Option("gpt-small", "--graph", "-g", help="graph JSON, built-in example (gpt-small, gpt-1.3b, mlp-block) or model spec"),
     topology: str = typer.Option("dgx-a100-80g", "--topology", "-t", help="preset name or yaml/JSON file"),
     plan: str = typer.Option(None, "--plan", "-p", help="plan JSON file"),
-    tp: int = typer.Option(None, "--tp", help="tensor-parallel degree (Megatron template)"),
-    pp: int = typer.Option(None, "--pp", help="pipeline stages (Megatron template)"),
-    dp: int = typer.Option(None, "--dp", help="data-parallel replicas (Megatron template)"),
-    microbatch_size: int = typer.Option(None, "--microbatch-size", help="samples per microbatch"),
-    global_batch: int = typer.Option(None, "--global-batch", help="samples per step (default: the graph's batch)"),
+    tp: int = typer.Option(None, "--tp", min=1, help="tensor-parallel degree (Megatron template)"),
+    pp: int = typer.Option(None, "--pp", min=1, help="pipeline stages (Megatron template)"),
+    dp: int = typer.Option(None, "--dp", min=1, help="data-parallel replicas (Megatron template)"),
+    microbatch_size: int = typer.Option(None, "--microbatch-size", min=1, help="samples per microbatch"),
+    global_batch: int = typer.Option(None, "--global-batch", min=1,
+                                     help="samples per step (default: the graph's batch)"),
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe or 1f1b"),
     recompute: str = typer.Option("none", "--recompute", help="none or full"),
     objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
@@ -58,10 +58,16 @@ def simulate_cmd(
         raise PlanError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if recompute not in ("none", "full"):
         raise PlanError(f"--recompute must be none or full, got {recompute!r}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if plan and any(x is not None for x in (tp, pp, dp, microbatch_size, global_batch)):
+        raise PlanError("give either --plan or the template's --tp/--pp/--dp/--microbatch-size/--global-batch, "
+                        "not both")
+    for path, what in ((save_plan, "plan"), (gantt, "Gantt chart")):
+        if path:
+            check_output_path(path, what)
     g = resolve_graph(graph)
     topo = resolve_topology(topology)
-    if plan and any(x is not None for x in (tp, pp, dp)):
-        raise PlanError("give either --plan or --tp/--pp/--dp, not both")
     if plan:
         plans = {plan: Plan.load(plan)}
     elif any(x is not None for x in (tp, pp, dp, microbatch_size)):
@@ -73,7 +79,7 @@ def simulate_cmd(
     reports: dict[str, StepReport] = {name: simulate(g, topo, p, objective) for name, p in plans.items()}
     if as_json:
         out = {name: r.to_dict() for name, r in reports.items()}
-        typer.echo(json.dumps(next(iter(out.values())) if len(out) == 1 else out, indent=2))
+        typer.echo(finite_json(next(iter(out.values())) if len(out) == 1 else out, indent=2))
     else:
         con = Console(width=160)
         con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
@@ -85,22 +91,34 @@ def simulate_cmd(
                       "yes" if r.oom else "no", _fmt_time(float(r.compute_time.max())),
                       _fmt_time(float(r.comm_time.max())))
         con.print(t)
-    best = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
-    if save_plan:
-        chosen = plans[best[0]]
-        chosen.provenance.update({"predicted_step_time": best[1].step_time, "objective": objective,
-                                  "peak_memory": [float(x) for x in best[1].peak_memory], "name": best[0]})
-        chosen.save(save_plan)
-        if not as_json:
-            typer.echo(f"plan '{best[0]}' written to {save_plan}")
-    if gantt:
-        from envs.gantt import save_gantt
+    name, report = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
+    chosen = plans[name]
+    chosen.provenance.update({"predicted_step_time": report.step_time, "objective": objective,
+                              "peak_memory": [float(x) for x in report.peak_memory], "name": name})
+    timeline = report if report.objective != "throughput" else simulate(g, topo, chosen, "step_time")
+    title = f"{g.name} on {topo.name}: {name} ({_fmt_time(timeline.step_time)})"
+    write_plan_and_chart(chosen, save_plan, timeline if gantt else None, gantt, title)
+    if not as_json:
+        if save_plan:
+            typer.echo(f"plan '{name}' written to {save_plan}")
+        if gantt:
+            typer.echo(f"Gantt chart of '{name}' written to {gantt}")
 
-        if best[1].objective == "throughput":
-            best = (best[0], simulate(g, topo, plans[best[0]], "step_time"))
-        save_gantt(best[1], gantt, title=f"{g.name} on {topo.name}: {best[0]} ({_fmt_time(best[1].step_time)})")
-        if not as_json:
-            typer.echo(f"Gantt chart of '{best[0]}' written to {gantt}")
+
+def write_plan_and_chart(plan: Plan, plan_path: str | None, report: StepReport | None, png_path: str | None,
+                         title: str) -> None:
+    """Write the plan JSON and / or its Gantt PNG, both or neither: the chart is rendered to a temp file
+    first, the plan written, then the chart renamed into place."""
+    if png_path and report is not None:
+        from envs.files import atomic_output
+        from envs.gantt import gantt_figure, save_figure
+
+        with atomic_output(png_path, "Gantt chart") as tmp:
+            save_figure(gantt_figure(report, title), tmp)
+            if plan_path:
+                plan.save(plan_path)
+    elif plan_path:
+        plan.save(plan_path)
 
 
 def register(app: typer.Typer) -> None:

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import typer
 
+EXIT_INTERRUPTED = 130  # as agent.cli: Ctrl-C
+
 
 def train_cmd(
     config: str = typer.Option(..., "--config", "-c", help="training config yaml (see experiments/configs/)"),
     resume: bool = typer.Option(False, "--resume", help="continue the run in --run-dir (same step counter and curves)"),
-    total_steps: int = typer.Option(None, "--total-steps", help="step counter to reach (default: the config's)"),
+    total_steps: int = typer.Option(None, "--total-steps", min=1,
+                                    help="step counter to reach (default: the config's)"),
     run_dir: str = typer.Option(None, "--run-dir", help="run directory (default: runs/NAME)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
-    """Train a graph-neural MaskablePPO placement policy; logs to TensorBoard under the run directory."""
-    from agent.train import train
+    """Train a graph-neural MaskablePPO placement policy; logs to TensorBoard under the run directory.
+    Ctrl-C saves a resumable checkpoint and says how to resume (exit code 130)."""
+    from agent.train import TrainingInterrupted, train
 
-    res = train(config, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
-                log=typer.echo)
+    try:
+        res = train(config, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
+                    log=typer.echo)
+    except TrainingInterrupted as exc:  # one line: where the checkpoint is and how to resume
+        typer.echo(str(exc), err=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     typer.echo(f"trained to step {res.num_timesteps} in {res.seconds:.0f}s; model: {res.model_path}")
     for name, b in sorted(res.best.items()):
         h = b.get("heuristic") or {}

@@ -19,7 +19,7 @@ import numpy as np
 
 from envs.errors import PlanError, RlplaceError
 from envs.evaluator import SimulatorEvaluator
-from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
+from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
 from envs.plan import ADAM_MIXED_BYTES_PER_PARAM, DTYPE_BYTES, Plan
 from envs.simulator import OBJECTIVES, node_times
 from envs.topology import Topology
@@ -146,7 +146,7 @@ def finish(plan: Plan, name: str, seed: int, scorer: Scorer, **extra) -> Plan:
     plan.provenance = {"placer": name, "seed": int(seed), "objective": scorer.objective,
                        "predicted_step_time": out.score, "peak_memory": out.peak_memory, "oom": out.oom,
                        "evaluations": scorer.evaluations, "planning_seconds": round(scorer.elapsed(), 4), **extra}
-    return plan
+    return plan.bind(scorer.graph)
 
 
 def best_of(scorer: Scorer, plans: Sequence[Plan]) -> tuple[Plan, Outcome]:
@@ -222,7 +222,7 @@ def caps_allow(caps: int, layout: str, group_size: int, dp: int) -> bool:
         return bool(caps & CAN_COL)
     if layout == "row_split":
         return bool(caps & CAN_ROW)
-    return layout == "replicate"
+    return layout == "replicate" and bool(caps & CAN_REPLICATE)
 
 
 _UNIT_TABLES: dict[int, tuple] = {}

@@ -1,0 +1,177 @@
+"""The schema of a training config (``experiments/configs/NAME.yaml``; see :mod:`agent.train`).
+
+Every section is a pydantic model that forbids unknown keys and coerces nothing (``strict``): an
+integer field takes an integer, a number field a finite int or float, a flag ``true`` / ``false``.
+(``envs.files`` reads ``3e-4`` in YAML as the number it means.) Ranges are the ones training needs to run
+at all (``batch_size >= 2`` for the advantage normalisation, ``checkpoint_freq >= 1`` ...). The keys
+of ``env`` are those :class:`envs.placement_env.PlacementEnv` takes, the keys of ``policy`` those
+:class:`agent.policy.GraphPlacementPolicy` takes. :func:`agent.train.load_config` validates a file
+with :func:`envs.files.validated`, so a problem is one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from agent.self_imitation import SETTINGS as SELF_IMITATION
+from envs.coarsen import METHODS as COARSEN_METHODS
+from envs.features import OPTION_STATE_FEATURES
+from envs.placement_env import MODES, ORDERS, REFINE_INITS
+from envs.simulator import OBJECTIVES
+from profilers.zoo import SIZES
+
+SPEC_SIZES = tuple(sorted({s for sizes in SIZES.values() for s in sizes}))
+MAX_SEED = 2**31 - 1
+
+
+Number = float  # finite (allow_inf_nan=False); an int is taken too
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys and loose types are errors, numbers must be finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class PPOSection(Section):
+    """``ppo``: the MaskablePPO hyperparameters (unset ones take ``agent.train.DEFAULT_PPO``)."""
+
+    learning_rate: Number = Field(3e-4, gt=0)
+    n_steps: PositiveInt = 256
+    batch_size: int = Field(128, ge=2)
+    n_epochs: PositiveInt = 4
+    gamma: Number = Field(1.0, ge=0, le=1)
+    gae_lambda: Number = Field(0.95, ge=0, le=1)
+    clip_range: Number = Field(0.2, gt=0)
+    ent_coef: Number = Field(0.01, ge=0)
+    vf_coef: Number = Field(0.5, ge=0)
+    max_grad_norm: Number = Field(0.5, gt=0)
+
+
+class EnvSection(Section):
+    """``env``: the keyword arguments of :class:`envs.placement_env.PlacementEnv`."""
+
+    max_nodes: PositiveInt = 32
+    max_devices: PositiveInt = 8
+    max_edges: PositiveInt | None = None
+    max_options: Annotated[int, Field(ge=2)] | None = None
+    mode: Literal[MODES] = "place"  # type: ignore[valid-type]
+    objective: Literal[OBJECTIVES] = "step_time"  # type: ignore[valid-type]
+    coarsen: bool = True
+    coarsen_method: Literal[COARSEN_METHODS] = "auto"  # type: ignore[valid-type]
+    order: Literal[ORDERS] = "topological"  # type: ignore[valid-type]
+    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
+    refine_passes: PositiveInt = 1
+    refine_init: Literal[REFINE_INITS] = "best"  # type: ignore[valid-type]
+    eval_graph: Literal["coarse", "fine"] = "coarse"
+    task_cache_size: PositiveInt = 64
+
+
+class PolicySection(Section):
+    """``policy``: the ``policy_kwargs`` of :class:`agent.policy.GraphPlacementPolicy`."""
+
+    hidden: PositiveInt = 64
+    rounds: Count = 3
+    device_rounds: Count = 2
+    dynamic_rounds: Count = 1
+    value_hidden: PositiveInt = 64
+    prior: list[Number] | None = None
+
+    @field_validator("prior")
+    @classmethod
+    def _prior_length(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and len(v) != OPTION_STATE_FEATURES:
+            raise PydanticCustomError("prior_length", "needs {n} weights (one per option-state column)",
+                                      {"n": OPTION_STATE_FEATURES})
+        return v
+
+
+class TasksSection(Section):
+    """``tasks`` / ``eval_tasks``: graphs (built-in, specs, sampled families) x topologies x batches."""
+
+    builtin: list[str] | None = None
+    families: list[str] | None = None
+    n_specs: PositiveInt = 4
+    size: Literal[SPEC_SIZES] = "small"  # type: ignore[valid-type]
+    specs: list[str] | None = None
+    topologies: list[str] | None = None
+    batches: list[PositiveInt | None] | None = None
+
+    @model_validator(mode="after")
+    def _has_graphs(self) -> TasksSection:
+        if not (self.builtin or self.specs or self.families):
+            raise PydanticCustomError("no_graphs", "needs 'builtin', 'specs' or 'families'")
+        return self
+
+
+class CallbacksSection(Section):
+    """``callbacks``: evaluation / checkpoint frequencies (in steps), heuristic baselines."""
+
+    eval_freq: PositiveInt = 2048
+    checkpoint_freq: PositiveInt = 10_000
+    baselines: bool = True
+    n_eval_episodes: PositiveInt | None = None
+
+
+class ImitationSection(Section):
+    """``imitation``: the behaviour-cloning warm start (:mod:`agent.imitation`)."""
+
+    epochs: PositiveInt = 20
+    batch_size: PositiveInt = 128
+
+
+class SelfImitationSection(Section):
+    """``self_imitation``: clone the best plan so far between PPO updates (:mod:`agent.self_imitation`)."""
+
+    every: PositiveInt = SELF_IMITATION["every"]
+    epochs: PositiveInt = SELF_IMITATION["epochs"]
+    batch_size: PositiveInt = SELF_IMITATION["batch_size"]
+
+
+def _true_means_defaults(value: Any) -> Any:
+    """``section: true`` means the section with its defaults; ``false`` / empty means no section."""
+    if value is True:
+        return {}
+    if value is False or value == {} or value is None:
+        return None
+    return value
+
+
+class TrainSpec(Section):
+    """A whole training config."""
+
+    name: str | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
+    n_envs: Annotated[int, Field(ge=1, le=64)] = 1
+    total_timesteps: PositiveInt = 10_000
+    env: EnvSection = Field(default_factory=EnvSection)
+    tasks: TasksSection
+    eval_tasks: TasksSection | None = None
+    policy: PolicySection = Field(default_factory=PolicySection)
+    ppo: PPOSection = Field(default_factory=PPOSection)
+    callbacks: CallbacksSection = Field(default_factory=CallbacksSection)
+    imitation: Annotated[ImitationSection | None, BeforeValidator(_true_means_defaults)] = None
+    self_imitation: Annotated[SelfImitationSection | None, BeforeValidator(_true_means_defaults)] = None
+
+    @field_validator("env", "policy", "ppo", "callbacks", mode="before")
+    @classmethod
+    def _empty_is_default(cls, v: Any) -> Any:
+        return {} if v is None else v
+
+
+def check_batch_size(spec: TrainSpec) -> str | None:
+    """Why ``ppo.batch_size`` does not fit one rollout (``n_steps * n_envs`` steps), or None when it does."""
+    buffer = spec.ppo.n_steps * spec.n_envs
+    if spec.ppo.batch_size > buffer:
+        return (f"ppo.batch_size: must be at most ppo.n_steps * n_envs = {spec.ppo.n_steps} * {spec.n_envs} "
+                f"= {buffer} (one rollout), got {spec.ppo.batch_size}")
+    return None
+
+
+__all__ = ["TrainSpec", "PPOSection", "EnvSection", "PolicySection", "TasksSection", "CallbacksSection",
+           "ImitationSection", "SelfImitationSection", "check_batch_size"]
