@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from agent.self_imitation import SETTINGS as SELF_IMITATION
 from envs.coarsen import METHODS as COARSEN_METHODS
@@ -86,8 +85,7 @@ class PolicySection(Section):
     @classmethod
     def _prior_length(cls, v: list[float] | None) -> list[float] | None:
         if v is not None and len(v) != OPTION_STATE_FEATURES:
-            raise PydanticCustomError("prior_length", "needs {n} weights (one per option-state column)",
-                                      {"n": OPTION_STATE_FEATURES})
+            raise ValueError(f"needs {OPTION_STATE_FEATURES} weights (one per option-state column)")
         return v
 
 
@@ -105,7 +103,7 @@ class TasksSection(Section):
     @model_validator(mode="after")
     def _has_graphs(self) -> TasksSection:
         if not (self.builtin or self.specs or self.families):
-            raise PydanticCustomError("no_graphs", "needs 'builtin', 'specs' or 'families'")
+            raise ValueError("needs 'builtin', 'specs' or 'families'")
         return self
 
 

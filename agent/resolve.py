@@ -22,6 +22,8 @@ def resolve_graph(spec: str | OpGraph) -> OpGraph:
 
     if spec in builtin_graph_names():
         return load_builtin_graph(spec)
+    if os.path.isdir(spec):
+        raise GraphError(f"graph {spec} is a directory, not a graph file or model spec")
     if spec.endswith(".json") or (os.path.isfile(spec) and ".py:" not in spec):
         return OpGraph.load(spec)  # a graph file, whatever its suffix (OpGraph.load says what is wrong)
     try:

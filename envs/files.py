@@ -138,6 +138,8 @@ def validation_message(exc, where: str = "") -> str:
         msg = "missing (required)"
     elif e.get("type") == "extra_forbidden":
         msg = "unknown key"
+    elif e.get("type") == "value_error":  # a validator's own message
+        msg = msg.removeprefix("Value error, ")
     elif "input" in e and e.get("type") not in ("model_type", "dict_type", "list_type"):
         shown = repr(e["input"])
         if len(shown) > 60:

@@ -99,13 +99,10 @@ def suite_path(spec: str) -> Path:
 
 def load_suite(spec: str) -> Suite:
     """Read and check a suite file (see the module docstring)."""
-    import yaml
+    from envs.files import read_document
 
     path = suite_path(spec)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise SuiteError(f"suite {path} is not valid yaml: {exc}") from exc
+    data = read_document(path, "suite", SuiteError)
     if not isinstance(data, dict):
         raise SuiteError(f"suite {path} must be a mapping with 'cases'")
     unknown = set(data) - SUITE_KEYS

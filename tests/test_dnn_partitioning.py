@@ -217,3 +217,46 @@ def test_plan_validation_enforces_cpu_only_nodes():
     Plan(groups=[(0,), (1,)], layouts=["single"] * 2).validate(g, topo)
     with _pytest.raises(_PlanError, match="runs only on CPUs"):
         Plan(groups=[(0,), (0,)], layouts=["single"] * 2).validate(g, topo)
+
+
+@needs_data
+@pytest.mark.parametrize("path", SAMPLES[:3], ids=lambda p: p.stem)
+def test_every_placer_puts_each_operator_on_one_device(path):
+    """The paper's model has no redundant copies: an imported workload allows only ``single`` (caps 0),
+    so no placer may replicate or split an operator, and the environment offers nothing else."""
+    from agent.placers import PLACERS, run_placer
+    from envs.placement_env import PlacementEnv
+    from envs.tasks import Task
+
+    graph, topo = import_workload(path)
+    assert (graph.layout_caps == 0).all()
+    for name in PLACERS:
+        plan = run_placer(name, graph, topo, seed=0, objective="throughput",
+                          budget={"evaluations": 12, "seconds": 20.0})
+        assert all(len(g) == 1 for g in plan.groups), name
+        assert set(plan.layouts) == {"single"}, name
+    env = PlacementEnv([Task(graph, topo)], max_nodes=32, max_devices=topo.num_devices, objective="throughput")
+    env.reset(seed=0)
+    opts = env._p.options
+    allowed = opts.allowed(env._p.graph.layout_caps)
+    assert not allowed[:, [len(g) > 1 for g in opts.groups]].any()
+
+
+def test_replicate_needs_its_capability_bit():
+    from envs.graph import chain_graph
+
+    g = chain_graph(3)
+    g.layout_caps[:] = 0
+    g.validate()
+    topo = Topology.from_dict({"devices": [{"name": "a", "kind": "x", "peak_flops": {"fp32": 1e12},
+                                            "memory_bytes": 1e9, "mem_bw": 1e9, "count": 2}],
+                               "switches": ["s"], "links": [{"a": "a0", "b": "s", "bandwidth": 1e9},
+                                                            {"a": "a1", "b": "s", "bandwidth": 1e9}]})
+    rep = Plan(groups=[(0, 1)] * 3, layouts=["replicate"] * 3)
+    with pytest.raises(PlanError, match="does not allow replicate"):
+        rep.validate(g, topo)
+    old = g.to_dict()
+    old["version"] = 1  # a version-1 file: caps 0 keeps meaning "one device only"
+    assert (OpGraph.from_dict(old).layout_caps == 0).all()
+    old["nodes"][0]["layout_caps"] = 1
+    assert OpGraph.from_dict(old).layout_caps[0] == 1 | 8
