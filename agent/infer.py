@@ -32,7 +32,7 @@ from envs.errors import PlanError, RlplaceError
 from envs.evaluator import SimulatorEvaluator
 from envs.files import one_line
 from envs.graph import OpGraph
-from envs.plan import Plan
+from envs.plan import Plan, standard_plans
 from envs.topology import Topology
 
 PRETRAINED_DIR = Path(__file__).with_name("pretrained")
@@ -134,26 +134,6 @@ def fast_placer_names() -> list[str]:
     return [n for n in PLACERS if n not in SEARCH_PLACERS or n == "megatron_3d"]
 
 
-def _fallback_plans(graph: OpGraph, topology: Topology) -> dict[str, Plan]:
-    from envs.plan import data_parallel, megatron, single_device
-
-    n = topology.num_devices
-    gb = graph.batch_size
-    plans = {"single_device": single_device(graph, topology, global_batch=gb)}
-    if gb % n == 0:
-        plans["data_parallel"] = data_parallel(graph, topology, global_batch=gb)
-    for tp, pp in ((n, 1), (1, n), (2, n // 2)):
-        if tp * pp != n or (tp == 1 and pp == 1) or pp < 1:
-            continue
-        try:
-            plans[f"megatron_tp{tp}_pp{pp}"] = megatron(graph, topology, tp=tp, pp=pp, dp=1,
-                                                       microbatch_size=max(1, gb // (4 * pp)) if pp > 1 else gb,
-                                                       global_batch=gb)
-        except PlanError:
-            continue
-    return plans
-
-
 def run_baselines(graph: OpGraph, topology: Topology, objective: str = "step_time", *, seed: int = 0,
                   evaluator: SimulatorEvaluator | None = None, names: list[str] | None = None) -> list[Candidate]:
     """Run the fast heuristic baselines and score them on ``graph`` (a failing placer is skipped)."""
@@ -175,7 +155,7 @@ def run_baselines(graph: OpGraph, topology: Topology, objective: str = "step_tim
             if c is not None:
                 out.append(c)
     if not out:
-        for name, plan in _fallback_plans(graph, topology).items():
+        for name, plan in standard_plans(graph, topology).items():
             c = evaluate_candidate(name, "baseline", plan, graph, topology, objective, ev)
             if c is not None:
                 out.append(c)

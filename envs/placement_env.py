@@ -96,9 +96,9 @@ from envs.plan import (
     LAYOUTS,
     SCHEDULES,
     Plan,
-    data_parallel,
+    data_parallel_plan,
     megatron_layouts,
-    single_device,
+    single_device_plan,
 )
 from envs.simulator import OBJECTIVES
 from envs.tasks import Task, default_tasks
@@ -354,11 +354,11 @@ class PlacementEnv(gym.Env):
         topo = p.task.topology
         batch = p.task.global_batch
         kw = dict(global_batch=batch, dtype=p.dtype)
-        plans = {"single_device": single_device(g, topo, **kw)}
+        plans = {"single_device": single_device_plan(g, topo, **kw)}
         groups = sorted([tuple(range(topo.num_devices))] + list(topo.hierarchy_groups()), key=len, reverse=True)
         dp_group = next((gr for gr in groups if len(gr) > 1 and batch % len(gr) == 0), None)
         if dp_group is not None:
-            plans["data_parallel"] = data_parallel(g, topo, group=dp_group, **kw)
+            plans["data_parallel"] = data_parallel_plan(g, topo, group=dp_group, **kw)
         results = {k: self.evaluator.evaluate(g, topo, pl, self.objective) for k, pl in plans.items()}
         fitting = {k: r for k, r in results.items() if not r.oom}
         pool = fitting or results
@@ -425,7 +425,7 @@ class PlacementEnv(gym.Env):
             s = score(res, ref["time"])
             if best is None or s > best["score"]:
                 best = {"name": name, "assign": assign.copy(), "score": s, "mb_idx": mb_idx, "result": res}
-        if best is None:  # pragma: no cover - single_device always works with microbatch 1
+        if best is None:  # pragma: no cover - single_device_plan always works with microbatch 1
             raise EnvError(f"task {p.task.name!r}: no heuristic start plan is expressible")
         p.init = best
         return best

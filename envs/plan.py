@@ -284,13 +284,13 @@ class Plan:
 
 
 # ---------------------------------------------------------------------- builders
-def single_device(graph: OpGraph, topology: Topology, device: int | None = None, **kw) -> Plan:
+def single_device_plan(graph: OpGraph, topology: Topology, device: int | None = None, **kw) -> Plan:
     d = topology.fastest_device(kw.get("dtype", "bf16")) if device is None else int(device)
     n = graph.num_nodes
     return Plan(groups=[(d,)] * n, layouts=["single"] * n, provenance={"placer": "single_device"}, **kw).bind(graph)
 
 
-def data_parallel(graph: OpGraph, topology: Topology, group: tuple[int, ...] | None = None, **kw) -> Plan:
+def data_parallel_plan(graph: OpGraph, topology: Topology, group: tuple[int, ...] | None = None, **kw) -> Plan:
     g = tuple(range(topology.num_devices)) if group is None else tuple(group)
     layouts = ["batch_split" if (c & CAN_BATCH) else "single" for c in graph.layout_caps.tolist()]
     groups = [g if lay == "batch_split" else (g[0],) for lay in layouts]
@@ -360,7 +360,7 @@ def megatron_layouts(graph: OpGraph) -> list[str]:
     return layouts
 
 
-def megatron(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
+def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
              microbatch_size: int | None = None, global_batch: int | None = None, schedule: str = "1f1b",
              recompute: str | bool = "none", dtype: str = "bf16") -> Plan:
     """The standard 3-D (tensor x pipeline x data) configuration for a transformer graph."""
@@ -400,3 +400,29 @@ def megatron(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp
     return Plan(groups=groups, layouts=lays, dp=dps, recompute=np.full(graph.num_nodes, rc),
                 microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype,
                 provenance={"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs}).bind(graph)
+
+
+def standard_plans(graph: OpGraph, topology: Topology, global_batch: int | None = None,
+                   dtype: str = "bf16") -> dict[str, Plan]:
+    """The plans every comparison starts from, by name: the whole graph on the fastest device; data
+    parallelism over the largest hierarchy group whose size divides the batch; and the Megatron
+    templates over all devices that are valid for the graph (tensor parallel across all, pipeline
+    across all with 4 microbatches per stage, and 2-way tensor x pipeline)."""
+    gb = int(graph.batch_size if global_batch is None else global_batch)
+    n = topology.num_devices
+    plans = {"single device": single_device_plan(graph, topology, global_batch=gb, dtype=dtype)}
+    groups = sorted([tuple(range(n))] + list(topology.hierarchy_groups()), key=len, reverse=True)
+    dp_group = next((g for g in groups if len(g) > 1 and gb % len(g) == 0), None)
+    if dp_group is not None:
+        plans[f"data parallel x{len(dp_group)}"] = data_parallel_plan(graph, topology, group=dp_group,
+                                                                       global_batch=gb, dtype=dtype)
+    for tp, pp in ((n, 1), (1, n), (2, n // 2)):
+        if tp * pp != n or (tp == 1 and pp == 1):
+            continue
+        mbs = max(1, gb // (4 * pp)) if pp > 1 else gb
+        try:
+            plans[f"megatron tp{tp} pp{pp}"] = megatron_plan(graph, topology, tp=tp, pp=pp, dp=1, microbatch_size=mbs,
+                                                             global_batch=gb, dtype=dtype)
+        except PlanError:
+            continue
+    return plans

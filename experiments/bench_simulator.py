@@ -20,7 +20,7 @@ import numpy as np
 
 from envs.examples import transformer_graph
 from envs.fast_sim import Simulator
-from envs.plan import Plan, megatron
+from envs.plan import Plan, megatron_plan
 from envs.presets import preset
 from envs.simulator import _schedule_reference, simulate
 
@@ -47,11 +47,11 @@ def plans_for(g, topo, rng):
     n, nd = g.num_nodes, topo.num_devices
     out = {"random m1": Plan(groups=[(int(d),) for d in rng.integers(0, nd, n)], layouts=["single"] * n)}
     if nd == 8:
-        out["pp8 m8"] = megatron(g, topo, pp=8, microbatch_size=1, global_batch=8)
-        out["tp2 pp2 dp2 m4"] = megatron(g, topo, tp=2, pp=2, dp=2, microbatch_size=1, global_batch=8)
+        out["pp8 m8"] = megatron_plan(g, topo, pp=8, microbatch_size=1, global_batch=8)
+        out["tp2 pp2 dp2 m4"] = megatron_plan(g, topo, tp=2, pp=2, dp=2, microbatch_size=1, global_batch=8)
     else:
-        out["pp8 dp8 m8"] = megatron(g, topo, pp=8, dp=8, microbatch_size=1, global_batch=64)
-        out["tp8 pp4 dp2 m4"] = megatron(g, topo, tp=8, pp=4, dp=2, microbatch_size=1, global_batch=8)
+        out["pp8 dp8 m8"] = megatron_plan(g, topo, pp=8, dp=8, microbatch_size=1, global_batch=64)
+        out["tp8 pp4 dp2 m4"] = megatron_plan(g, topo, tp=8, pp=4, dp=2, microbatch_size=1, global_batch=8)
     return out
 
 
@@ -103,7 +103,7 @@ def bench_1t():
     megatron_flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     out = {}
     for rc in ("none", "full"):
-        plan = megatron(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=B, recompute=rc)
+        plan = megatron_plan(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=B, recompute=rc)
         t1 = time.perf_counter()
         rep = simulate(g, topo, plan, timeline=False, validate=False)
         dt = time.perf_counter() - t1

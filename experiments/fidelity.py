@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from envs.graph import atomic_write_json
-from envs.plan import Plan, megatron, single_device
+from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.topology import Topology
 from profilers.fidelity_fit import Sample, fit, metrics, params_of, predict
 
@@ -78,24 +78,24 @@ def candidate_plans(graph: Any, topo: Topology) -> list[tuple[str, Plan]]:
 
     for m in (1, 2, 4):
         if b % m == 0:
-            p = single_device(graph, topo, global_batch=b, **kw)
+            p = single_device_plan(graph, topo, global_batch=b, **kw)
             p.microbatches = m
             add(f"single mb={m}", p)
-    add("single recompute", single_device(graph, topo, global_batch=b, **kw).copy(
+    add("single recompute", single_device_plan(graph, topo, global_batch=b, **kw).copy(
         recompute=np.ones(graph.num_nodes, dtype=bool)))
     for mbs in (b // 2, b // 4):
         if mbs >= 1:
-            add(f"dp2 mbs={mbs}", megatron(graph, topo, dp=2, microbatch_size=mbs, **kw))
+            add(f"dp2 mbs={mbs}", megatron_plan(graph, topo, dp=2, microbatch_size=mbs, **kw))
     for sched in ("1f1b", "gpipe"):
         for mbs in (b // 2, b // 4, max(1, b // 8)):
             for rc in ("none", "full"):
                 if sched == "1f1b" and b // mbs < 2:
                     continue
                 add(f"pp2 {sched} mbs={mbs} rc={rc}",
-                    megatron(graph, topo, pp=2, microbatch_size=mbs, schedule=sched, recompute=rc, **kw))
+                    megatron_plan(graph, topo, pp=2, microbatch_size=mbs, schedule=sched, recompute=rc, **kw))
     for rc in ("none", "full"):
-        add(f"tp2 rc={rc}", megatron(graph, topo, tp=2, recompute=rc, **kw))
-    add("tp2 mb=2", megatron(graph, topo, tp=2, microbatch_size=max(1, b // 2), **kw))
+        add(f"tp2 rc={rc}", megatron_plan(graph, topo, tp=2, recompute=rc, **kw))
+    add("tp2 mb=2", megatron_plan(graph, topo, tp=2, microbatch_size=max(1, b // 2), **kw))
     uniq: dict[bytes, tuple[str, Plan]] = {}
     for label, p in out:
         uniq.setdefault(p.key(), (label, p))

@@ -17,7 +17,7 @@ from envs.errors import GraphError, PlanError, RlplaceError, TopologyError
 from envs.examples import transformer_graph
 from envs.files import parse_text
 from envs.graph import OpGraph
-from envs.plan import Plan, megatron, single_device
+from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.presets import preset
 from envs.simulator import simulate
 from envs.topology import Topology
@@ -37,7 +37,7 @@ def _topology_doc():
 
 def _plan_doc():
     g = transformer_graph(**SMALL_GPT)
-    return megatron(g, preset("pcie-4gpu"), tp=2, dp=2, global_batch=4).to_dict()
+    return megatron_plan(g, preset("pcie-4gpu"), tp=2, dp=2, global_batch=4).to_dict()
 
 
 def _one_line(exc: BaseException) -> None:
@@ -75,7 +75,7 @@ def test_fuzzed_graph_files(tmp_path_factory, mutation, data):
         _one_line(exc)
         return
     g.validate()
-    rep = simulate(g, preset("pcie-4gpu"), single_device(g, preset("pcie-4gpu")))
+    rep = simulate(g, preset("pcie-4gpu"), single_device_plan(g, preset("pcie-4gpu")))
     assert math.isfinite(rep.step_time) and np.isfinite(rep.peak_memory).all()
 
 
@@ -91,7 +91,7 @@ def test_fuzzed_topology_files(tmp_path_factory, mutation, data, suffix):
         _one_line(exc)
         return
     g = transformer_graph(**SMALL_GPT)
-    rep = simulate(g, t, single_device(g, t))
+    rep = simulate(g, t, single_device_plan(g, t))
     assert math.isfinite(rep.step_time)
     assert all(math.isfinite(t.bandwidth(0, j)) or j == 0 for j in range(t.num_devices))
 

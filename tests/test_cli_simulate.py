@@ -4,7 +4,7 @@ import pytest
 
 from agent.cli import main
 from envs.examples import transformer_graph
-from envs.plan import megatron
+from envs.plan import megatron_plan
 from envs.presets import preset
 
 
@@ -36,7 +36,7 @@ def test_simulate_megatron_json_and_gantt(capsys, tmp_path):
 def test_simulate_plan_file(capsys, tmp_path):
     g = transformer_graph(layers=2, hidden=256, seq=128, batch=4)
     g.save(tmp_path / "g.json")
-    megatron(g, preset("dgx-a100-80g"), pp=2, microbatch_size=1, global_batch=4).save(tmp_path / "p.json")
+    megatron_plan(g, preset("dgx-a100-80g"), pp=2, microbatch_size=1, global_batch=4).save(tmp_path / "p.json")
     code, out, _ = run(capsys, "simulate", "--graph", str(tmp_path / "g.json"), "--plan", str(tmp_path / "p.json"),
                        "--json")
     assert code == 0 and json.loads(out)["step_time_s"] > 0

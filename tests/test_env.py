@@ -15,7 +15,7 @@ from envs.examples import transformer_graph
 from envs.features import decision_order
 from envs.graph import OpGraph, chain_graph
 from envs.placement_env import PlacementEnv, score
-from envs.plan import single_device
+from envs.plan import single_device_plan
 from envs.presets import preset
 from envs.tasks import (
     Task,
@@ -288,8 +288,8 @@ def test_simulator_evaluator_caches_by_plan_key():
     ev = SimulatorEvaluator()
     assert isinstance(ev, Evaluator)
     g, topo = load_builtin_graph("gpt-tiny"), preset("dgx-a100-80g")
-    r1 = ev.evaluate(g, topo, single_device(g, topo))
-    r2 = ev.evaluate(g, topo, single_device(g, topo))
+    r1 = ev.evaluate(g, topo, single_device_plan(g, topo))
+    r2 = ev.evaluate(g, topo, single_device_plan(g, topo))
     assert r1 is r2 and ev.hits == 1 and ev.misses == 1
     assert r1.step_time > 0 and not r1.oom
 
@@ -433,15 +433,15 @@ def test_fine_evaluation_of_coarsened_tasks():
 def test_demo_action_replays_expressible_plans_exactly():
     """Replaying a plan the option table can express gives that plan back (data parallel also on a
     coarsened graph; Megatron's per-op layouts only without coarsening, a group takes its majority)."""
-    from envs.plan import data_parallel, megatron
+    from envs.plan import data_parallel_plan, megatron_plan
 
     tasks = default_tasks("dgx-a100-80g", names=["gpt-small"])
     task = tasks[0]
     g = task.graph
     fine, coarse = PlacementEnv(tasks, max_nodes=g.num_nodes), PlacementEnv(tasks, max_nodes=16)
-    for env, plan in ((coarse, data_parallel(g, task.topology, global_batch=task.global_batch)),
-                      (fine, data_parallel(g, task.topology, global_batch=task.global_batch)),
-                      (fine, megatron(g, task.topology, tp=8, pp=1, dp=1, global_batch=task.global_batch))):
+    for env, plan in ((coarse, data_parallel_plan(g, task.topology, global_batch=task.global_batch)),
+                      (fine, data_parallel_plan(g, task.topology, global_batch=task.global_batch)),
+                      (fine, megatron_plan(g, task.topology, tp=8, pp=1, dp=1, global_batch=task.global_batch))):
         env.reset(options={"task": task})
         done = False
         while not done:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agent.cli import main
-from envs.plan import Plan, megatron, single_device
+from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.presets import cpu_local
 from profilers.exec_plan import ExecutionError, analyze
 from profilers.execute import FAIL_ENV, WorkerError, execute_plan
@@ -34,7 +34,7 @@ def _check(report, *, pp=1, dp=1, tp=1, steps=2):
 @pytest.mark.parametrize("schedule,recompute", [("1f1b", "none"), ("gpipe", "full")])
 def test_pipeline_two_stages_matches_reference(topo, schedule, recompute):
     g = graph_from_spec(MLP)
-    plan = megatron(g, topo, pp=2, microbatch_size=2, schedule=schedule, recompute=recompute)
+    plan = megatron_plan(g, topo, pp=2, microbatch_size=2, schedule=schedule, recompute=recompute)
     assert plan.microbatches == 4
     report = execute_plan(plan, MLP, steps=2, warmup=1, graph=g)
     _check(report, pp=2)
@@ -43,12 +43,12 @@ def test_pipeline_two_stages_matches_reference(topo, schedule, recompute):
 
 def test_data_parallel_two_ranks_matches_reference(topo):
     g = graph_from_spec(MLP)
-    _check(execute_plan(megatron(g, topo, dp=2), MLP, steps=2, warmup=1, graph=g), dp=2)
+    _check(execute_plan(megatron_plan(g, topo, dp=2), MLP, steps=2, warmup=1, graph=g), dp=2)
 
 
 def test_tensor_parallel_gpt_attention_and_mlp_matches_reference(topo):
     g = graph_from_spec(GPT)
-    plan = megatron(g, topo, tp=2)
+    plan = megatron_plan(g, topo, tp=2)
     model, _, _ = build_model(GPT)
     lay = analyze(plan, g, model)
     assert lay.stages[0].tp_styles["layers.0.attn.qkv"] == "col"
@@ -59,7 +59,7 @@ def test_tensor_parallel_gpt_attention_and_mlp_matches_reference(topo):
 
 def test_pipeline_times_data_parallel_four_ranks(topo):
     g = graph_from_spec(GPT)
-    plan = megatron(g, topo, pp=2, dp=2, microbatch_size=1, schedule="gpipe")
+    plan = megatron_plan(g, topo, pp=2, dp=2, microbatch_size=1, schedule="gpipe")
     _check(execute_plan(plan, GPT, steps=2, warmup=1, graph=g), pp=2, dp=2)
 
 
@@ -67,27 +67,27 @@ def test_column_split_gathered_before_replicated_consumers(topo):
     spec = "bert:layers=1,hidden=32,heads=2,seq=8,vocab=64,batch=4"
     g = graph_from_spec(spec)
     model, _, _ = build_model(spec)
-    styles = analyze(megatron(g, topo, tp=2), g, model).stages[0].tp_styles
+    styles = analyze(megatron_plan(g, topo, tp=2), g, model).stages[0].tp_styles
     assert styles["pooler"] == "col_gather" and styles["layers.0.mlp.fc1"] == "col"
 
 
 def test_analyze_layouts_without_running(topo):
     g = graph_from_spec(GPT)
     model, _, _ = build_model(GPT)
-    lay = analyze(megatron(g, topo, pp=2, microbatch_size=1, schedule="gpipe"), g, model)
+    lay = analyze(megatron_plan(g, topo, pp=2, microbatch_size=1, schedule="gpipe"), g, model)
     assert (lay.pp, lay.microbatches, lay.schedule) == (2, 4, "gpipe")
     assert [st.blocks for st in lay.stages] == [[0, 1], [2, 3]]  # embed+layers.0 | layers.1+head
-    assert analyze(single_device(g, topo), g, model).world_size == 1
+    assert analyze(single_device_plan(g, topo), g, model).world_size == 1
     # a cut inside a block is refused
-    plan = single_device(g, topo)
+    plan = single_device_plan(g, topo)
     plan.groups[g.names.index("layers.0.mlp.fc2")] = (1,)
     with pytest.raises(ExecutionError, match="cuts inside block"):
         analyze(plan, g, model)
     # 1f1b with fewer microbatches than stages
     with pytest.raises(ExecutionError, match="1f1b needs"):
-        analyze(megatron(g, topo, pp=2, microbatch_size=4), g, model)
+        analyze(megatron_plan(g, topo, pp=2, microbatch_size=4), g, model)
     # tensor parallel on a LayerNorm
-    plan = megatron(g, topo, tp=2)
+    plan = megatron_plan(g, topo, tp=2)
     plan.layouts[g.names.index("layers.0.ln1")] = "col_split"
     with pytest.raises(ExecutionError):
         analyze(plan, g, model)
@@ -95,7 +95,7 @@ def test_analyze_layouts_without_running(topo):
 
 def test_plan_for_another_model_is_refused(topo):
     other = graph_from_spec("mlp:layers=2,hidden=32,in_dim=16,out=4,batch=8")
-    plan = single_device(other, topo)
+    plan = single_device_plan(other, topo)
     with pytest.raises(ExecutionError, match="different model"):
         execute_plan(plan, MLP, steps=1)
 
@@ -104,7 +104,7 @@ def test_worker_crash_is_a_clear_error_not_a_hang(topo, monkeypatch):
     g = graph_from_spec(MLP)
     monkeypatch.setenv(FAIL_ENV, "1")
     with pytest.raises(WorkerError, match="rank 1 failed: .*injected failure"):
-        execute_plan(megatron(g, topo, dp=2), MLP, steps=1, warmup=0, graph=g, timeout_s=60,
+        execute_plan(megatron_plan(g, topo, dp=2), MLP, steps=1, warmup=0, graph=g, timeout_s=60,
                      collective_timeout_s=30)
 
 
@@ -112,7 +112,7 @@ def test_hung_worker_hits_the_deadline(topo, monkeypatch):
     g = graph_from_spec(MLP)
     monkeypatch.setenv(FAIL_ENV, "1:hang")
     with pytest.raises(WorkerError, match="did not finish within 4 s"):
-        execute_plan(megatron(g, topo, dp=2), MLP, steps=1, warmup=0, graph=g, check=False, timeout_s=4,
+        execute_plan(megatron_plan(g, topo, dp=2), MLP, steps=1, warmup=0, graph=g, check=False, timeout_s=4,
                      collective_timeout_s=60)
 
 
@@ -129,7 +129,7 @@ def test_cli_bad_input_exits_2(capsys, tmp_path, topo):
     code, _, err = _cli(capsys, "run", str(tmp_path / "missing.json"), "--model", MLP)
     assert code == 2 and "not found" in err
     plan = tmp_path / "plan.json"
-    single_device(graph_from_spec("mlp:layers=2,hidden=32,in_dim=16,out=4,batch=8"), topo).save(plan)
+    single_device_plan(graph_from_spec("mlp:layers=2,hidden=32,in_dim=16,out=4,batch=8"), topo).save(plan)
     code, _, err = _cli(capsys, "run", str(plan), "--model", MLP)
     assert code == 2 and "different model" in err
     code, _, err = _cli(capsys, "run", str(plan), "--model", "nosuchfamily:x=1")
@@ -138,7 +138,7 @@ def test_cli_bad_input_exits_2(capsys, tmp_path, topo):
 
 def test_cli_runs_single_device_plan_json(capsys, tmp_path, topo, monkeypatch):
     plan = tmp_path / "plan.json"
-    single_device(graph_from_spec(MLP), topo).save(plan)
+    single_device_plan(graph_from_spec(MLP), topo).save(plan)
     code, out, _ = _cli(capsys, "run", str(plan), "--model", MLP, "--steps", "2", "--warmup", "0", "--json")
     assert code == 0, out
     rep = json.loads(out)

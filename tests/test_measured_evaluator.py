@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from envs.evaluator import Evaluator
-from envs.plan import megatron, single_device
+from envs.plan import megatron_plan, single_device_plan
 from envs.presets import cpu_local
 from profilers.exec_plan import WorkerError
 from profilers.execute import FAIL_ENV
@@ -32,15 +32,15 @@ def graph():
 def test_measured_evaluation_is_cached_and_refusals_are_flagged(graph, topo):
     with MeasuredEvaluator(MLP, steps=2, warmup=1, workers=2, timeout=60) as ev:
         assert isinstance(ev, Evaluator)
-        plan = megatron(graph, topo, dp=2, dtype="fp32")
+        plan = megatron_plan(graph, topo, dp=2, dtype="fp32")
         first = ev.evaluate(graph, topo, plan)
         assert ev.measurements == 1 and first.extra["measured"] and not first.oom
         assert first.step_time > 0 and len(first.extra["step_times"]) == 2 and first.extra["dp"] == 2
         again = ev.evaluate(graph, topo, plan.copy())  # same decisions, another object: not re-measured
         assert again is first and ev.measurements == 1 and ev.hits == 1
-        single = ev.evaluate(graph, topo, single_device(graph, topo, dtype="fp32"))
+        single = ev.evaluate(graph, topo, single_device_plan(graph, topo, dtype="fp32"))
         assert ev.measurements == 2 and single.extra["world_size"] == 1  # a sub-group of the 2-rank pool
-        bad = single_device(graph, topo, dtype="fp32")
+        bad = single_device_plan(graph, topo, dtype="fp32")
         bad.groups[graph.names.index("layers.0.act")] = (1,)  # a pipeline cut inside a block
         res = ev.evaluate(graph, topo, bad)
         assert ev.measurements == 2  # refused without running anything
@@ -50,7 +50,7 @@ def test_measured_evaluation_is_cached_and_refusals_are_flagged(graph, topo):
 
 
 def test_worker_crash_and_hang_are_clear_errors_then_the_pool_restarts(graph, topo, monkeypatch):
-    plan = megatron(graph, topo, dp=2, dtype="fp32")
+    plan = megatron_plan(graph, topo, dp=2, dtype="fp32")
     ev = MeasuredEvaluator(MLP, steps=1, warmup=0, workers=2, timeout=6, collective_timeout=30)
     try:
         monkeypatch.setenv(FAIL_ENV, "1")
@@ -87,11 +87,11 @@ def _synthetic_samples(truth: CalibParams, base) -> list[Sample]:
     out = []
     for spec in ("mlp:layers=3,hidden=256,in_dim=64,out=16,batch=32", "gpt:layers=2,hidden=64,heads=4,seq=16,batch=8"):
         g = graph_from_spec(spec, dtype="fp32")
-        plans = [single_device(g, base, dtype="fp32"), megatron(g, base, dp=2, dtype="fp32"),
-                 megatron(g, base, pp=2, microbatch_size=2, dtype="fp32"),
-                 megatron(g, base, pp=2, microbatch_size=1, schedule="gpipe", dtype="fp32"),
-                 megatron(g, base, tp=2, dtype="fp32"),
-                 megatron(g, base, dp=2, microbatch_size=1, dtype="fp32")]
+        plans = [single_device_plan(g, base, dtype="fp32"), megatron_plan(g, base, dp=2, dtype="fp32"),
+                 megatron_plan(g, base, pp=2, microbatch_size=2, dtype="fp32"),
+                 megatron_plan(g, base, pp=2, microbatch_size=1, schedule="gpipe", dtype="fp32"),
+                 megatron_plan(g, base, tp=2, dtype="fp32"),
+                 megatron_plan(g, base, dp=2, microbatch_size=1, dtype="fp32")]
         out += [Sample(g, p, 0.0) for p in plans]
     meas = predict(out, apply_params(base, truth))
     for s, t in zip(out, meas):

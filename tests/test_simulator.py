@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from envs.examples import transformer_graph
 from envs.graph import OpGraph, chain_graph
-from envs.plan import Plan, data_parallel, megatron, single_device
+from envs.plan import Plan, data_parallel_plan, megatron_plan, single_device_plan
 from envs.presets import preset
 from envs.simulator import simulate
 
@@ -26,7 +26,7 @@ def op_time(flops):
 
 def test_single_device_is_sum_of_op_times_plus_optimizer(dgx):
     g = chain_graph(6, flops=1e12, param_bytes=2e6, act_bytes=1.0)
-    r = simulate(g, dgx, single_device(g, dgx))
+    r = simulate(g, dgx, single_device_plan(g, dgx))
     params = 6 * 2e6 / 2
     opt = 2 * params * 16 / (2039e9 * 0.8) + LAUNCH
     expect = 6 * op_time(1e12) + 6 * op_time(2e12) + opt
@@ -78,7 +78,7 @@ def test_megatron_mlp_block_one_all_reduce_each_way(dgx, t):
     keep = [i for i, nm in enumerate(g.names) if nm in ("layers.0.ln2", "layers.0.mlp.fc1", "layers.0.mlp.gelu",
                                                          "layers.0.mlp.fc2", "layers.0.add2")]
     sub = _subgraph(g, keep)
-    plan = megatron(sub, dgx, tp=t, global_batch=4, microbatch_size=4)
+    plan = megatron_plan(sub, dgx, tp=t, global_batch=4, microbatch_size=4)
     assert plan.layouts == ["replicate", "col_split", "col_split", "row_split", "replicate"]
     r = simulate(sub, dgx, plan)
     fwd, bwd = _allreduces(r, grad=False), _allreduces(r, grad=True)
@@ -90,7 +90,7 @@ def test_megatron_mlp_block_one_all_reduce_each_way(dgx, t):
 
 def test_megatron_transformer_layer_two_all_reduces_each_way(dgx):
     g = transformer_graph(layers=2, hidden=512, seq=256, batch=2, embeddings=False)
-    r = simulate(g, dgx, megatron(g, dgx, tp=4, global_batch=2, microbatch_size=2))
+    r = simulate(g, dgx, megatron_plan(g, dgx, tp=4, global_batch=2, microbatch_size=2))
     assert len(_allreduces(r, grad=False)) == 4 and len(_allreduces(r, grad=True)) == 4
 
 
@@ -106,8 +106,8 @@ def _subgraph(g: OpGraph, keep):
 
 def test_data_parallel_scaling(dgx):
     g = transformer_graph(layers=2, hidden=1024, seq=512, batch=16)
-    one = simulate(g, dgx, single_device(g, dgx))
-    dp = simulate(g, dgx, data_parallel(g, dgx))
+    one = simulate(g, dgx, single_device_plan(g, dgx))
+    dp = simulate(g, dgx, data_parallel_plan(g, dgx))
     m1, m8 = one.memory_breakdown, dp.memory_breakdown
     np.testing.assert_allclose(m8["model_states"], m1["model_states"][0])  # full replica everywhere
     assert m8["activations"][0] == pytest.approx(m1["activations"][0] / 8)
@@ -126,7 +126,7 @@ def _opt(report):
 
 def test_memory_overflow_is_flagged(dgx):
     g = chain_graph(2, flops=1e9, param_bytes=20e9, act_bytes=1.0)  # 10 G params x 16 B = 320 GB
-    r = simulate(g, dgx, single_device(g, dgx))
+    r = simulate(g, dgx, single_device_plan(g, dgx))
     assert r.is_oom and r.oom == [0] and r.to_dict()["oom"] is True
     r2 = simulate(g, dgx, Plan(groups=[(i,) for i in range(2)], layouts=["single"] * 2))
     assert r2.oom == [0, 1]
@@ -134,8 +134,8 @@ def test_memory_overflow_is_flagged(dgx):
 
 def test_recompute_trades_memory_for_time(dgx):
     g = transformer_graph(layers=2, hidden=1024, seq=1024, batch=8)
-    base = simulate(g, dgx, megatron(g, dgx, global_batch=8, microbatch_size=8))
-    rc = simulate(g, dgx, megatron(g, dgx, global_batch=8, microbatch_size=8, recompute="full"))
+    base = simulate(g, dgx, megatron_plan(g, dgx, global_batch=8, microbatch_size=8))
+    rc = simulate(g, dgx, megatron_plan(g, dgx, global_batch=8, microbatch_size=8, recompute="full"))
     assert rc.peak_memory[0] < base.peak_memory[0]
     assert rc.step_time > base.step_time
 

@@ -12,7 +12,7 @@ from test_simulator import cases  # tests/ is on sys.path (rootdir-relative test
 from envs.errors import PlanError
 from envs.examples import transformer_graph
 from envs.fast_sim import Simulator, simulator_for
-from envs.plan import Plan, megatron
+from envs.plan import Plan, megatron_plan
 from envs.presets import preset
 from envs.simulator import _schedule_reference, simulate
 
@@ -51,7 +51,7 @@ def test_compiled_builder_equals_reference(case, objective, seed):
 def test_compiled_builder_equals_reference_megatron(tp, pp, dp, schedule, rc):
     topo = preset("dgx-a100-80g")
     g = transformer_graph(layers=4, hidden=512, heads=8, seq=128, vocab=1000, batch=8)
-    plan = megatron(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=8, schedule=schedule,
+    plan = megatron_plan(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=8, schedule=schedule,
                     recompute="full" if rc else "none")
     _same(_schedule_reference(g, topo, plan, "step_time", True), simulate(g, topo, plan))
 
@@ -114,7 +114,7 @@ def test_delta_on_transformer_random_placement():
 def test_simulator_cache_notices_changed_graph():
     topo = preset("dgx-a100-80g")
     g = transformer_graph(layers=1, hidden=256, heads=4, seq=64, vocab=100, batch=2)
-    plan = megatron(g, topo)
+    plan = megatron_plan(g, topo)
     a = simulate(g, topo, plan).step_time
     g.fwd_flops *= 2  # edited in place: the cached evaluator must not be reused
     b = simulate(g, topo, plan).step_time
@@ -133,7 +133,7 @@ def test_simulator_cache_notices_changed_graph():
 def test_stage_fast_path_agrees_with_full_task_graph(layers, tp, pp, dp, m, schedule, tol):
     topo = preset("a100-80g-cluster:nodes=4" if tp * pp * dp > 8 else "dgx-a100-80g")
     g = transformer_graph(layers=layers, hidden=1024, heads=16, seq=512, vocab=8000, batch=m * dp)
-    plan = megatron(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=m * dp, schedule=schedule)
+    plan = megatron_plan(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=m * dp, schedule=schedule)
     full = simulate(g, topo, plan, fast_path=False)
     fast = simulate(g, topo, plan, fast_path=True)
     assert full.fast_path == "arrays" and fast.fast_path == "stages"
@@ -161,7 +161,7 @@ def test_fast_path_is_chosen_automatically_for_big_task_graphs(monkeypatch):
 
     topo = preset("dgx-a100-80g")
     g = transformer_graph(layers=4, hidden=256, heads=4, seq=64, vocab=100, batch=8)
-    plan = megatron(g, topo, pp=4, microbatch_size=1, global_batch=8)
+    plan = megatron_plan(g, topo, pp=4, microbatch_size=1, global_batch=8)
     assert simulate(g, topo, plan).fast_path == "arrays"
     monkeypatch.setattr(fs, "FAST_PATH_TASKS", 10)
     assert simulate(g, topo, plan).fast_path == "stages"
@@ -171,11 +171,11 @@ def test_fast_path_is_chosen_automatically_for_big_task_graphs(monkeypatch):
 def test_trillion_parameter_gpt_on_512_gpus_within_10_s():
     g = transformer_graph(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, batch=512)
     topo = preset("a100-80g-cluster:nodes=64")
-    plan = megatron(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=512)
+    plan = megatron_plan(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=512)
     params = g.param_bytes.sum() / 2
     assert 0.95e12 < params < 1.05e12
     small = transformer_graph(layers=2, hidden=256, heads=8, seq=64, vocab=100, batch=4)
-    simulate(small, topo, megatron(small, topo, tp=8, pp=2, microbatch_size=1, global_batch=4), fast_path=True)
+    simulate(small, topo, megatron_plan(small, topo, tp=8, pp=2, microbatch_size=1, global_batch=4), fast_path=True)
     t0 = time.perf_counter()  # (the line above compiled the numba kernels, if this test runs first)
     rep = simulate(g, topo, plan, timeline=False, validate=False)
     dt = time.perf_counter() - t0

@@ -9,31 +9,13 @@ from rich.table import Table
 from agent.resolve import resolve_graph
 from envs.errors import PlanError
 from envs.files import check_output_path, finite_json
-from envs.plan import SCHEDULES, Plan, data_parallel, megatron, single_device
+from envs.plan import SCHEDULES, Plan, megatron_plan, standard_plans
 from envs.simulator import OBJECTIVES, StepReport, simulate
 from envs.topology import resolve_topology
 
 
 def _fmt_time(t: float) -> str:
     return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
-
-
-def _standard_plans(graph, topo, global_batch):
-    n = topo.num_devices
-    gb = global_batch or graph.batch_size
-    plans = {"single device": single_device(graph, topo, global_batch=gb)}
-    if gb % n == 0:
-        plans[f"data parallel x{n}"] = data_parallel(graph, topo, global_batch=gb)
-    for tp, pp in ((n, 1), (1, n), (2, n // 2)):
-        if tp * pp != n or (tp == 1 and pp == 1):
-            continue
-        mbs = max(1, gb // (4 * pp)) if pp > 1 else gb
-        try:
-            plans[f"megatron tp{tp} pp{pp}"] = megatron(graph, topo, tp=tp, pp=pp, dp=1, microbatch_size=mbs,
-                                                         global_batch=gb)
-        except PlanError:
-            continue
-    return plans
 
 
 def simulate_cmd(
@@ -71,11 +53,11 @@ def simulate_cmd(
     if plan:
         plans = {plan: Plan.load(plan)}
     elif any(x is not None for x in (tp, pp, dp, microbatch_size)):
-        plans = {f"megatron tp{tp or 1} pp{pp or 1} dp{dp or 1}": megatron(
+        plans = {f"megatron tp{tp or 1} pp{pp or 1} dp{dp or 1}": megatron_plan(
             g, topo, tp=tp or 1, pp=pp or 1, dp=dp or 1, microbatch_size=microbatch_size, global_batch=global_batch,
             schedule=schedule, recompute=recompute)}
     else:
-        plans = _standard_plans(g, topo, global_batch)
+        plans = standard_plans(g, topo, global_batch)
     reports: dict[str, StepReport] = {name: simulate(g, topo, p, objective) for name, p in plans.items()}
     if as_json:
         out = {name: r.to_dict() for name, r in reports.items()}

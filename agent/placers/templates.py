@@ -28,7 +28,7 @@ from agent.placers.common import (
 )
 from envs.errors import PlanError
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
-from envs.plan import Plan, contiguous_stages, megatron
+from envs.plan import Plan, contiguous_stages, megatron_plan
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=400)
@@ -124,7 +124,7 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
             break
         for rc in ("none", "full"):
             try:
-                plan = megatron(graph, topology, tp=cfg["tp"], pp=cfg["pp"], dp=cfg["dp"],
+                plan = megatron_plan(graph, topology, tp=cfg["tp"], pp=cfg["pp"], dp=cfg["dp"],
                                 microbatch_size=cfg["microbatch_size"], global_batch=graph.batch_size,
                                 schedule=cfg["schedule"], recompute=rc, dtype=kw["dtype"])
             except PlanError:
