@@ -15,6 +15,7 @@
 - :class:`AtomicCheckpointCallback` is SB3's ``CheckpointCallback`` (``model_<steps>_steps.zip``) saving
   through :func:`atomic_save`: a kill during a save never leaves a broken file under a checkpoint's name.
 - :class:`TensorBoardResumeCallback` marks where a resumed run's curve restarts.
+- :class:`DeadlineCallback` ends training at a wall-clock deadline (``agent.train.train(deadline=...)``).
 - :class:`HParamCallback` records the hyperparameters (SB3 ``HParam``) with the metrics they explain.
 - :class:`ProgressCallback` is a rich progress bar showing the current mean best speedup.
 """
@@ -60,6 +61,18 @@ def atomic_save(model, path: str | Path) -> Path:
     with atomic_output(path, "model") as tmp:
         model.save(tmp)
     return Path(path)
+
+
+class DeadlineCallback(BaseCallback):
+    """Ends ``model.learn()`` at the first step after a wall-clock ``deadline`` (a ``time.perf_counter()``
+    value), whatever the step count."""
+
+    def __init__(self, deadline: float):
+        super().__init__()
+        self.deadline = float(deadline)
+
+    def _on_step(self) -> bool:
+        return time.perf_counter() < self.deadline
 
 
 class AtomicCheckpointCallback(CheckpointCallback):
@@ -114,7 +127,7 @@ class BestPlanCallback(BaseCallback):
                 self.best[name] = {**row, "plan": Plan.load(row["path"])}
 
     def _save_index(self) -> None:
-        from envs.graph import atomic_write_json
+        from envs.files import atomic_write_json
 
         rows = {k: {kk: vv for kk, vv in v.items() if kk != "plan"} for k, v in self.best.items()}
         atomic_write_json(self._index_path(), {"tasks": rows, "heuristic": self.heuristic})
@@ -130,8 +143,8 @@ class BestPlanCallback(BaseCallback):
                 cands = run_baselines(task.graph, task.topology, self.objective)
                 fit = [c for c in cands if not c.oom] or cands
                 if fit:
-                    b = min(fit, key=lambda c: c.step_time)
-                    self.heuristic[name] = {"placer": b.name, "step_time": b.step_time, "oom": b.oom}
+                    b = min(fit, key=lambda c: c.evaluation.step_time)
+                    self.heuristic[name] = {"placer": b.name, "step_time": b.evaluation.step_time, "oom": b.oom}
             self.say(f"baselines for {len(self.tasks)} task(s) in {time.perf_counter() - t:.1f}s")
 
     # ------------------------------------------------------------------ episodes
@@ -187,7 +200,7 @@ class BestPlanCallback(BaseCallback):
     def gantt_images(self) -> dict[str, np.ndarray]:
         """Gantt chart (RGB array) of the best plan of up to ``max_gantt`` tasks, on the operator graph."""
         from envs.gantt import gantt_figure
-        from envs.simulator import simulate
+        from envs.sim import simulate
 
         out = {}
         for name in list(self.best)[:self.max_gantt]:

@@ -4,7 +4,7 @@ Every section is a pydantic model that forbids unknown keys and coerces nothing 
 integer field takes an integer, a number field a finite int or float, a flag ``true`` / ``false``.
 (``envs.files`` reads ``3e-4`` in YAML as the number it means.) Ranges are the ones training needs to run
 at all (``batch_size >= 2`` for the advantage normalisation, ``checkpoint_freq >= 1`` ...). The keys
-of ``env`` are those :class:`envs.placement_env.PlacementEnv` takes, the keys of ``policy`` those
+of ``env`` are those :class:`envs.placement.env.PlacementEnv` takes, the keys of ``policy`` those
 :class:`agent.policy.GraphPlacementPolicy` takes. :func:`agent.train.load_config` validates a file
 with :func:`envs.files.validated`, so a problem is one line naming the file and the field.
 """
@@ -17,9 +17,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from agent.self_imitation import SETTINGS as SELF_IMITATION
 from envs.coarsen import METHODS as COARSEN_METHODS
-from envs.features import OPTION_STATE_FEATURES
-from envs.placement_env import MODES, ORDERS, REFINE_INITS
-from envs.simulator import OBJECTIVES
+from envs.placement.env import MODES, REFINE_INITS
+from envs.placement.observation import OPTION_STATE_FEATURES
+from envs.placement.options import ORDERS
+from envs.sim import OBJECTIVES
 from profilers.zoo import SIZES
 
 SPEC_SIZES = tuple(sorted({s for sizes in SIZES.values() for s in sizes}))
@@ -53,7 +54,7 @@ class PPOSection(Section):
 
 
 class EnvSection(Section):
-    """``env``: the keyword arguments of :class:`envs.placement_env.PlacementEnv`."""
+    """``env``: the keyword arguments of :class:`envs.placement.env.PlacementEnv`."""
 
     max_nodes: PositiveInt = 32
     max_devices: PositiveInt = 8

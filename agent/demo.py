@@ -3,7 +3,10 @@
 :func:`run_demo` trains ``experiments/configs/demo.yaml`` (built-in GPT, MLP and CNN graphs on two
 topologies; TensorBoard logs under ``OUT/demo/tb``), places ``model`` (default ``gpt-medium``,
 which is not in the training set) with the trained policy, prints the comparison with the heuristic
-baselines, and writes ``OUT/demo_plan.json`` and its Gantt chart ``OUT/demo_plan.png``.
+baselines, and writes ``OUT/demo_plan.json`` and its Gantt chart ``OUT/demo_plan.png``. The config is
+read from the checkout's ``experiments/configs/`` (:mod:`agent.checkout`; ``pip install -e .`` keeps it
+there): without it the demo stops at once with a one-line :class:`agent.train.TrainError` saying where
+it looked.
 """
 
 from __future__ import annotations
@@ -11,21 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "experiments" / "configs" / "demo.yaml"
-_FALLBACK = {
-    "name": "demo", "seed": 0, "n_envs": 2, "total_timesteps": 40000,
-    "env": {"max_nodes": 24, "max_devices": 8, "objective": "step_time", "order": "topological"},
-    "tasks": {"builtin": ["gpt-tiny", "gpt-small", "mlp-chain", "branching-cnn"],
-              "topologies": ["dgx-a100-80g", "pcie-4gpu"]},
-    "eval_tasks": {"builtin": ["moe-wide"], "topologies": ["dgx-a100-80g"]},
-    "policy": {"hidden": 48, "rounds": 3, "device_rounds": 1, "dynamic_rounds": 0, "value_hidden": 48,
-               "prior": [-1.0, -4.0, 3.0]},
-    "ppo": {"learning_rate": 5e-4, "n_steps": 256, "batch_size": 128, "n_epochs": 4, "gamma": 1.0,
-            "ent_coef": 0.005},
-    "callbacks": {"eval_freq": 4096, "checkpoint_freq": 8000, "baselines": True},
-    "imitation": {"epochs": 50, "batch_size": 128},
-    "self_imitation": {"every": 4, "epochs": 5, "batch_size": 128},
-}
+DEMO_CONFIG = "demo"  # experiments/configs/demo.yaml of the checkout (agent.checkout)
 
 
 def run_demo(steps: int | None = None, out: str | Path = "runs", model: str = "gpt-medium",
@@ -34,16 +23,16 @@ def run_demo(steps: int | None = None, out: str | Path = "runs", model: str = "g
     """Run the demo; returns paths and the winner (see the module docstring)."""
     from rich.console import Console
 
-    from agent.commands.place import print_comparison
+    from agent.checkout import CONFIGS_DIR, experiments_file
     from agent.infer import place, resolve_model
-    from agent.train import load_config, train
+    from agent.report import print_comparison, winner_timeline
+    from agent.train import TrainError, load_config, train
     from envs.files import check_output_dir
     from envs.gantt import save_gantt
-    from envs.simulator import simulate
-    from envs.topology import resolve_topology
+    from envs.presets import resolve_topology
 
     out = check_output_dir(out, "output folder")
-    cfg = load_config(DEMO_CONFIG) if DEMO_CONFIG.exists() else load_config(dict(_FALLBACK))
+    cfg = load_config(experiments_file(CONFIGS_DIR, DEMO_CONFIG, "training config", TrainError, path_allowed=False))
     g = resolve_model(model)  # bad names fail now, not after training
     topo = resolve_topology(topology)
     echo(f"[1/3] training a small placement policy on {', '.join(cfg.raw['tasks']['builtin'])} "
@@ -58,7 +47,7 @@ def run_demo(steps: int | None = None, out: str | Path = "runs", model: str = "g
     print_comparison(pr, "step_time", title=f"{g.name} on {topo.name}", console=Console(width=140))
     plan_path = out / "demo_plan.json"
     pr.plan.save(plan_path)
-    png = save_gantt(simulate(g, topo, pr.plan, "step_time"), out / "demo_plan.png",
+    png = save_gantt(winner_timeline(pr, g, topo, "step_time"), out / "demo_plan.png",
                      title=f"{g.name} on {topo.name}: {pr.best.name}")
     base = pr.best_baseline()
     pol = min((c for c in pr.candidates if c.kind == "policy"), key=lambda c: c.key(), default=None)

@@ -6,8 +6,8 @@ starts, :func:`warm_start`
 
 1. runs the fast heuristic baselines on every training task (:func:`agent.infer.run_baselines`) and keeps
    the best plan that fits in memory;
-2. replays it in the environment as a demonstration (:meth:`envs.placement_env.PlacementEnv.demo_action`:
-   the allowed option closest to the plan at every decision, so the replay is the plan as far as the
+2. replays it in the environment as a demonstration (:func:`replay` with :func:`demo_action`: the
+   allowed option closest to the plan at every decision, so the replay is the plan as far as the
    option table can express it; its simulated time is recorded next to the heuristic's);
 3. behaviour-clones the demonstrations: cross-entropy of the masked policy on the demonstrated actions
    plus ``vf_coef`` x the squared error of the value head against the demonstration's discounted
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from envs.plan import Plan
+from envs.errors import EnvError, RlplaceError
+from envs.plan import LAYOUTS, SCHEDULES, Plan
 
 
 @dataclass
@@ -62,19 +63,75 @@ def best_heuristic_plans(tasks: Sequence, objective: str = "step_time", seed: in
         cands = run_baselines(task.graph, task.topology, objective, seed=seed)
         if cands:
             b = min(cands, key=lambda c: (c.oom, c.value))
-            out[task.name] = (b.name, b.plan, float(b.step_time), bool(b.oom))
+            out[task.name] = (b.name, b.plan, float(b.evaluation.step_time), bool(b.oom))
     return out
+
+
+# ---------------------------------------------------------------------- replaying a plan in the environment
+def demo_target(prepared, plan: Plan) -> Plan:
+    """``plan`` on the node groups the environment places (``prepared``: its
+    :class:`envs.placement.task_setup.PreparedTask`): a plan on the task's operators is projected onto a
+    coarsened graph's groups (each group takes its members' majority, ``Grouping.project``), a plan on
+    the groups is taken as it is; any other size raises :class:`envs.errors.EnvError`."""
+    if prepared.grouping is not None and plan.num_nodes == prepared.task.graph.num_nodes:
+        return prepared.grouping.project(plan)
+    if plan.num_nodes == prepared.graph.num_nodes:
+        return plan
+    raise EnvError(f"the demonstration plan has {plan.num_nodes} nodes; task {prepared.task.name!r} has "
+                   f"{prepared.task.graph.num_nodes} ops and {prepared.graph.num_nodes} groups")
+
+
+def demo_action(env, plan: Plan, lookup: dict | None = None) -> int:
+    """The allowed action of ``env`` (a :class:`envs.placement.env.PlacementEnv` mid-episode) now that
+    best expresses ``plan`` (on the task's operators or on the groups, :func:`demo_target`); ``lookup``:
+    the option table's :meth:`~envs.placement.options.OptionTable.lookup`, if the caller keeps it.
+
+    Global phases take the plan's microbatch count (the nearest allowed choice), schedule and
+    recompute (majority). A node takes the option with the plan's (devices, layout, dp) for it; if that
+    option is not in the table or not allowed now, the allowed option closest to it: same devices,
+    then same layout, then most shared devices, then same dp."""
+    phase = env.phase
+    if phase is None:
+        raise RlplaceError("demo_action needs an episode in progress (call reset())")
+    prepared = env.prepared
+    plan = demo_target(prepared, plan)
+    mask = env.action_masks()
+    allowed = np.flatnonzero(mask)
+    if phase == 0:
+        want = np.log2(max(int(plan.microbatches), 1))
+        dist = [abs(np.log2(env.microbatch_choices[a]) - want) for a in allowed]
+        return int(allowed[int(np.argmin(dist))])
+    if phase in (1, 2):
+        a = SCHEDULES.index(plan.schedule) if phase == 1 else int(2 * plan.recompute.sum() > plan.num_nodes)
+        return a if mask[a] else int(allowed[0])
+    v = env.node
+    key = (tuple(int(d) for d in plan.groups[v]), plan.layouts[v], int(plan.dp[v]))
+    options = prepared.options
+    o = (lookup if lookup is not None else options.lookup()).get(key)
+    if o is not None and mask[o]:
+        return int(o)
+    want = set(key[0])
+    lay = LAYOUTS.index(key[1])
+
+    def closeness(a: int) -> tuple:
+        devs = set(options.groups[a])
+        return (devs == want, int(options.layout[a]) == lay, len(devs & want) / len(devs | want),
+                int(options.dp[a]) == key[2])
+
+    return int(max(allowed.tolist(), key=closeness))
 
 
 def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = float("nan")) -> Demonstration:
     """One episode of ``env`` on ``task`` that follows ``plan`` as closely as the option table allows."""
     obs, _ = env.reset(options={"task": task})
+    target = demo_target(env.prepared, plan)  # once per episode, like the option lookup
+    lookup = env.prepared.options.lookup()
     demo = Demonstration(task=task.name, source=source, heuristic_time=heuristic_time, replay_time=float("nan"),
                          score=float("nan"))
     done, info, reward = False, {}, 0.0
     while not done:
         mask = env.action_masks()
-        a = env.demo_action(plan)
+        a = demo_action(env, target, lookup)
         demo.obs.append(obs)
         demo.masks.append(mask)
         demo.actions.append(a)
@@ -87,7 +144,7 @@ def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = floa
 
 def collect(tasks: Sequence, env_kwargs: dict, plans: dict[str, tuple[str, Plan, float, bool]]) -> list[Demonstration]:
     """Replay ``plans`` (from :func:`best_heuristic_plans`) in an environment built like the training ones."""
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     env = PlacementEnv(list(tasks), **env_kwargs)
     return [replay(env, t, plans[t.name][1], plans[t.name][0], plans[t.name][2]) for t in tasks if t.name in plans]
@@ -157,4 +214,5 @@ def warm_start(model, tasks: Sequence, env_kwargs: dict, *, epochs: int = 20, ba
     return stats
 
 
-__all__ = ["Demonstration", "best_heuristic_plans", "replay", "collect", "behaviour_clone", "warm_start"]
+__all__ = ["Demonstration", "best_heuristic_plans", "demo_target", "demo_action", "replay", "collect",
+           "behaviour_clone", "warm_start"]

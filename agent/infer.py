@@ -7,13 +7,15 @@
    larger than those the policy was trained on);
 2. optionally ``finetune_steps`` of PPO on this task alone (only when the task fits the policy's
    padding), then the rollouts again;
-3. the fast heuristic baselines (:data:`agent.placers.PLACERS` except the search placers; without
-   ``agent.placers``, the single-device, data-parallel and Megatron templates of ``envs.plan``);
-4. optionally ``search_seconds`` of local search (``agent.placers``' MCMC) from the best plan so far.
+3. the fast heuristic baselines (:func:`run_baselines`: :data:`agent.placers.PLACERS` except the search
+   placers; when every one of them fails, the standard plans of ``envs.plan``);
+4. optionally ``search_seconds`` of local search (:func:`search_from_best`: ``agent.placers``' MCMC)
+   from the best plan so far.
 
-Every candidate is scored by the simulator on the *operator* graph; the best plan (plans that fit in
-memory first) is returned, so the result is never worse than the best baseline. Its provenance says
-which candidate won.
+Every candidate carries its evaluation on the *operator* graph (a :class:`Candidate`): a placer's plan
+keeps the evaluation its own Scorer made (``agent.placers.common.finished_evaluation``), a policy plan
+is simulated once. The best plan (plans that fit in memory first) is returned, so the result is never
+worse than the best baseline. Its provenance says which candidate won.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.placers import PLACERS, SEARCH_PLACERS, run_placer
+from agent.placers.common import finished_evaluation, objective_value
 from envs.errors import PlanError, RlplaceError
-from envs.evaluator import SimulatorEvaluator
+from envs.evaluator import CachedSimulation, EvalResult
 from envs.files import one_line
 from envs.graph import OpGraph
 from envs.plan import Plan, standard_plans
@@ -37,7 +41,6 @@ from envs.topology import Topology
 
 PRETRAINED_DIR = Path(__file__).with_name("pretrained")
 PRETRAINED = PRETRAINED_DIR / "placement_policy.zip"
-_FALLBACK_BASELINES = ("single_device", "data_parallel", "megatron")
 
 
 class PlaceError(RlplaceError):
@@ -46,19 +49,34 @@ class PlaceError(RlplaceError):
 
 @dataclass
 class Candidate:
-    """One plan considered by :func:`place`, scored on the operator graph."""
+    """One plan considered by :func:`place` and its evaluation on the operator graph."""
 
     name: str
     kind: str  # "policy", "baseline" or "search"
     plan: Plan
-    value: float  # the objective value (agent.placers.common.score: per global batch for throughput)
-    step_time: float  # the simulator's objective value
-    oom: bool
-    peak_memory: float
+    value: float  # what candidates are compared by: objective_value of the evaluation
+    evaluation: EvalResult
     seconds: float = 0.0
+
+    @property
+    def oom(self) -> bool:
+        return bool(self.evaluation.oom)
+
+    @property
+    def peak_memory(self) -> float:
+        """Bytes on the fullest device."""
+        peak = self.evaluation.peak_memory
+        return float(peak.max()) if peak.size else 0.0
 
     def key(self) -> tuple:
         return (1 if self.oom else 0, self.value)
+
+    @classmethod
+    def of(cls, name: str, kind: str, plan: Plan, evaluation: EvalResult, objective: str,
+           seconds: float = 0.0) -> Candidate:
+        """The candidate of an evaluated plan, valued by :func:`agent.placers.common.objective_value`."""
+        return cls(name=name, kind=kind, plan=plan, value=objective_value(evaluation.step_time, plan, objective),
+                   evaluation=evaluation, seconds=seconds)
 
 
 @dataclass
@@ -82,27 +100,25 @@ def resolve_model(spec: str | OpGraph) -> OpGraph:
     return resolve_graph(spec)
 
 
-# ---------------------------------------------------------------------- scoring
-def objective_value(step_time: float, plan: Plan, objective: str) -> float:
-    """What placers minimise: step time, or for throughput the time per global batch."""
-    try:
-        from agent.placers.common import score
-    except ImportError:  # pragma: no cover - agent.placers ships with rlplace
-        return float(step_time) * (plan.microbatches if objective == "throughput" else 1)
-    return score(step_time, plan, objective)
-
-
+# ---------------------------------------------------------------------- evaluating candidates
 def evaluate_candidate(name: str, kind: str, plan: Plan, graph: OpGraph, topology: Topology, objective: str,
-                       evaluator: SimulatorEvaluator, seconds: float = 0.0) -> Candidate | None:
+                       evaluator: CachedSimulation, seconds: float = 0.0) -> Candidate | None:
     """Validate and simulate ``plan``; None if it is not a valid plan for the graph."""
     try:
         plan.validate(graph, topology)
     except PlanError:
         return None
-    res = evaluator.evaluate(graph, topology, plan, objective)
-    return Candidate(name=name, kind=kind, plan=plan, value=objective_value(res.step_time, plan, objective),
-                     step_time=float(res.step_time), oom=bool(res.oom),
-                     peak_memory=float(res.peak_memory.max()) if res.peak_memory.size else 0.0, seconds=seconds)
+    return Candidate.of(name, kind, plan, evaluator.evaluate(graph, topology, plan, objective), objective, seconds)
+
+
+def placer_candidate(name: str, kind: str, plan: Plan, graph: OpGraph, topology: Topology, objective: str,
+                     evaluator: CachedSimulation, seconds: float = 0.0) -> Candidate | None:
+    """A placer's plan with the evaluation its placer already made (validated and simulated then);
+    simulated here only if that evaluation is not at hand."""
+    evaluation = finished_evaluation(plan, graph, topology, objective)
+    if evaluation is None:
+        return evaluate_candidate(name, kind, plan, graph, topology, objective, evaluator, seconds)
+    return Candidate.of(name, kind, plan, evaluation, objective, seconds)
 
 
 # ---------------------------------------------------------------------- baselines
@@ -126,40 +142,57 @@ def _quiet_stdout():
 
 
 def fast_placer_names() -> list[str]:
-    """The cheap heuristic placers of ``agent.placers`` (empty if the package is missing)."""
-    try:
-        from agent.placers import PLACERS, SEARCH_PLACERS
-    except ImportError:  # pragma: no cover
-        return []
+    """The cheap heuristic placers of ``agent.placers`` (the search placers but megatron_3d left out)."""
     return [n for n in PLACERS if n not in SEARCH_PLACERS or n == "megatron_3d"]
 
 
 def run_baselines(graph: OpGraph, topology: Topology, objective: str = "step_time", *, seed: int = 0,
-                  evaluator: SimulatorEvaluator | None = None, names: list[str] | None = None) -> list[Candidate]:
-    """Run the fast heuristic baselines and score them on ``graph`` (a failing placer is skipped)."""
-    ev = evaluator or SimulatorEvaluator()
+                  evaluator: CachedSimulation | None = None, names: list[str] | None = None) -> list[Candidate]:
+    """Run the fast heuristic baselines and keep their plans with their evaluations (a failing placer is
+    skipped; when all fail, the standard plans of ``envs.plan`` are simulated instead)."""
+    ev = evaluator or CachedSimulation()
     out: list[Candidate] = []
-    chosen = names if names is not None else fast_placer_names()
-    if chosen:
-        from agent.placers import run_placer
-
-        for name in chosen:
-            t = time.perf_counter()
-            try:
-                with _quiet_stdout():
-                    plan = run_placer(name, graph, topology, seed=seed, objective=objective,
-                                      budget=16 if name == "megatron_3d" else None)
-            except RlplaceError:
-                continue
-            c = evaluate_candidate(name, "baseline", plan, graph, topology, objective, ev, time.perf_counter() - t)
-            if c is not None:
-                out.append(c)
+    for name in names if names is not None else fast_placer_names():
+        t = time.perf_counter()
+        try:
+            with _quiet_stdout():
+                plan = run_placer(name, graph, topology, seed=seed, objective=objective,
+                                  budget=16 if name == "megatron_3d" else None)
+        except RlplaceError:
+            continue
+        c = placer_candidate(name, "baseline", plan, graph, topology, objective, ev, time.perf_counter() - t)
+        if c is not None:
+            out.append(c)
     if not out:
         for name, plan in standard_plans(graph, topology).items():
             c = evaluate_candidate(name, "baseline", plan, graph, topology, objective, ev)
             if c is not None:
                 out.append(c)
     return out
+
+
+def local_search(graph: OpGraph, topology: Topology, start: Plan, objective: str, seconds: float,
+                 seed: int = 0) -> Plan | None:
+    """MCMC from ``start`` for ``seconds`` (agent.placers' mcmc); None if it fails."""
+    try:
+        return run_placer("mcmc", graph, topology, seed=seed, objective=objective, budget=float(seconds),
+                          start=start.copy())
+    except RlplaceError:
+        return None
+
+
+def search_from_best(cands: list[Candidate], graph: OpGraph, topology: Topology, objective: str, seconds: float,
+                     seed: int = 0, evaluator: CachedSimulation | None = None) -> list[Candidate]:
+    """``seconds`` of local search from the best of ``cands``: the plan found as a "search" candidate
+    (``[]`` when the search fails)."""
+    t = time.perf_counter()
+    start = min(cands, key=Candidate.key)
+    found = local_search(graph, topology, start.plan, objective, seconds, seed)
+    if found is None:
+        return []
+    c = placer_candidate(f"mcmc from {start.name}", "search", found, graph, topology, objective,
+                         evaluator or CachedSimulation(), time.perf_counter() - t)
+    return [c] if c is not None else []
 
 
 # ---------------------------------------------------------------------- policy rollouts
@@ -213,29 +246,15 @@ def rollout(model, env, task, *, deterministic: bool, rng: np.random.Generator |
 
 def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict[str, np.ndarray]:
     """Drop the padded node, edge and device slots of one observation (the GNN needs none of them;
-    the option axis keeps its padding so action indices are unchanged). ``dynamic_only``: only the
-    keys that change during an episode."""
-    from agent.policy import STATIC_KEYS
+    the option axis keeps its padding so action indices are unchanged), by each key's declared axes
+    (:data:`envs.placement.observation.OBSERVATION`). ``dynamic_only``: only the
+    :data:`~envs.placement.observation.DYNAMIC_KEYS` (the keys that change during an episode)."""
+    from envs.placement.observation import DYNAMIC_KEYS, OBSERVATION
 
-    n = max(int(obs["node_mask"].sum()), 1)
-    m = max(int(obs["edge_mask"].sum()), 1)
-    d = max(int(obs["device_mask"].sum()), 1)
-    out = {k: v for k, v in obs.items() if not (dynamic_only and k in STATIC_KEYS)}
-    for k in ("node_features", "node_mask", "node_state", "current_node"):
-        if k in out:
-            out[k] = obs[k][:n]
-    out["node_devices"] = obs["node_devices"][:n, :d]
-    if not dynamic_only:
-        out["edge_index"] = obs["edge_index"][:, :m]
-        out["edge_features"] = obs["edge_features"][:m]
-        out["edge_mask"] = obs["edge_mask"][:m]
-        for k in ("device_bandwidth", "device_latency"):
-            out[k] = obs[k][:d, :d]
-    for k in ("device_features", "device_mask", "device_state"):
-        if k in out:
-            out[k] = obs[k][:d]
-    out["option_devices"] = obs["option_devices"][:, :d]
-    return out
+    size = {"nodes": max(int(obs["node_mask"].sum()), 1), "edges": max(int(obs["edge_mask"].sum()), 1),
+            "devices": max(int(obs["device_mask"].sum()), 1)}
+    keys = DYNAMIC_KEYS if dynamic_only else obs
+    return {k: obs[k][tuple(slice(size.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}
 
 
 def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.Generator | None = None) -> list[dict]:
@@ -246,7 +265,7 @@ def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.
     argmax or samples from the masked softmax; returns each episode's final info."""
     import torch as th
 
-    from agent.policy import STATIC_KEYS
+    from envs.placement.observation import STATIC_KEYS
 
     fe = model.policy.features_extractor
     rng = rng or np.random.default_rng()
@@ -287,8 +306,11 @@ def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.
     return infos
 
 
-def _placement_env(model, task, objective: str, max_groups: int | None, evaluator=None):
-    from envs.placement_env import PlacementEnv
+def policy_env(model, task, objective: str, max_groups: int | None, evaluator=None):
+    """The environment ``model`` places ``task`` in: the model's padding when the task fits it (``fits``),
+    else ``max_groups`` groups (default: the padding's node count) on every device of the topology.
+    Returns ``(env, fits, factory)``; ``factory()`` builds another env like it (for sampled rollouts)."""
+    from envs.placement.env import PlacementEnv
 
     shape = model_shape(model)
     n_groups = int(max_groups) if max_groups is not None else shape["max_nodes"]
@@ -313,7 +335,7 @@ def _placement_env(model, task, objective: str, max_groups: int | None, evaluato
 
 
 def policy_candidates(model, env, task, graph: OpGraph, objective: str, samples: int, seed: int,
-                      evaluator: SimulatorEvaluator, label: str = "policy", env_factory=None) -> list[Candidate]:
+                      evaluator: CachedSimulation, label: str = "policy", env_factory=None) -> list[Candidate]:
     """The greedy rollout and ``samples`` sampled ones (run in lockstep), scored on ``graph``."""
     rng = np.random.default_rng(seed)
     envs = [env] + [env_factory() for _ in range(samples)] if env_factory is not None and samples else [env]
@@ -356,20 +378,6 @@ def finetune(model, env_factory, steps: int, seed: int = 0):
     return tuned
 
 
-def local_search(graph: OpGraph, topology: Topology, start: Plan, objective: str, seconds: float,
-                 seed: int = 0) -> Plan | None:
-    """MCMC from ``start`` for ``seconds`` (agent.placers' mcmc); None if unavailable."""
-    try:
-        from agent.placers import run_placer
-    except ImportError:  # pragma: no cover
-        return None
-    try:
-        return run_placer("mcmc", graph, topology, seed=seed, objective=objective, budget=float(seconds),
-                          start=start.copy())
-    except RlplaceError:
-        return None
-
-
 # ---------------------------------------------------------------------- the pipeline
 def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.PathLike | None = None,
           objective: str = "step_time", samples: int = 8, finetune_steps: int = 0, search_seconds: float = 0.0,
@@ -378,62 +386,69 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     """Best plan for ``graph`` on ``topology`` from the policy, the baselines and local search."""
     import torch as th
 
-    from envs.simulator import OBJECTIVES
     from envs.tasks import Task
+
+    _check_request(objective, samples, finetune_steps, search_seconds)
+    say = log or (lambda _m: None)
+    th.set_num_threads(1)
+    secs: dict[str, float] = {}
+    ev = CachedSimulation(cache_size=4096)
+    model = model if model is not None else load_policy(policy)
+    task = Task(graph, topology)
+    with _timed(secs, "env"):
+        env, fits, factory = policy_env(model, task, objective, max_groups, CachedSimulation(cache_size=4096))
+    with _timed(secs, "policy"):
+        cands = policy_candidates(model, env, task, graph, objective, samples, seed, ev, env_factory=factory)
+    if finetune_steps > 0 and not fits:
+        say("fine-tuning skipped: the task does not fit the policy's padding")
+    elif finetune_steps > 0:
+        with _timed(secs, "finetune"):
+            tuned = finetune(model, factory, finetune_steps, seed)
+            cands += policy_candidates(tuned, env, task, graph, objective, samples, seed + 1, ev, label="finetuned",
+                                       env_factory=factory)
+    if baselines:
+        with _timed(secs, "baselines"):
+            cands += run_baselines(graph, topology, objective, seed=seed, evaluator=ev)
+    if not cands:
+        raise PlaceError("no valid plan was produced")
+    if search_seconds > 0:
+        with _timed(secs, "search"):
+            cands += search_from_best(cands, graph, topology, objective, search_seconds, seed, ev)
+    cands.sort(key=Candidate.key)
+    return PlaceResult(plan=winning_plan(cands, objective, seed), best=cands[0], candidates=cands, seconds=secs)
+
+
+def _check_request(objective: str, samples: int, finetune_steps: int, search_seconds: float) -> None:
+    from envs.sim import OBJECTIVES
 
     if objective not in OBJECTIVES:
         raise PlaceError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if samples < 0 or finetune_steps < 0 or search_seconds < 0:
         raise PlaceError("--samples, --finetune-steps and --search-seconds must be >= 0")
-    say = log or (lambda _m: None)
-    th.set_num_threads(1)
-    secs: dict[str, float] = {}
-    ev = SimulatorEvaluator(cache_size=4096)
-    model = model if model is not None else load_policy(policy)
-    task = Task(graph, topology)
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], stage: str):
+    """Record the wall-clock seconds of the block as ``seconds[stage]``."""
     t = time.perf_counter()
-    env_ev = SimulatorEvaluator(cache_size=4096)
-    env, fits, factory = _placement_env(model, task, objective, max_groups, env_ev)
-    secs["env"] = time.perf_counter() - t
-    t = time.perf_counter()
-    cands = policy_candidates(model, env, task, graph, objective, samples, seed, ev, env_factory=factory)
-    secs["policy"] = time.perf_counter() - t
-    if finetune_steps > 0:
-        if fits:
-            t = time.perf_counter()
-            tuned = finetune(model, factory, finetune_steps, seed)
-            cands += policy_candidates(tuned, env, task, graph, objective, samples, seed + 1, ev, label="finetuned",
-                                       env_factory=factory)
-            secs["finetune"] = time.perf_counter() - t
-        else:
-            say("fine-tuning skipped: the task does not fit the policy's padding")
-    if baselines:
-        t = time.perf_counter()
-        cands += run_baselines(graph, topology, objective, seed=seed, evaluator=ev)
-        secs["baselines"] = time.perf_counter() - t
-    if not cands:
-        raise PlaceError("no valid plan was produced")
-    if search_seconds > 0:
-        t = time.perf_counter()
-        start = min(cands, key=Candidate.key)
-        found = local_search(graph, topology, start.plan, objective, search_seconds, seed)
-        if found is not None:
-            c = evaluate_candidate(f"mcmc from {start.name}", "search", found, graph, topology, objective, ev,
-                                   time.perf_counter() - t)
-            if c is not None:
-                cands.append(c)
-        secs["search"] = time.perf_counter() - t
-    cands.sort(key=Candidate.key)
+    yield
+    seconds[stage] = time.perf_counter() - t
+
+
+def winning_plan(cands: list[Candidate], objective: str, seed: int) -> Plan:
+    """A copy of the best candidate's plan (``cands`` sorted best first), its provenance saying which
+    candidate won, what it predicts and how the best baseline compares."""
     best = cands[0]
     base = [c for c in cands if c.kind == "baseline"]
+    best_base = min(base, key=Candidate.key) if base else None
     plan = best.plan.copy()
     plan.provenance = {**dict(best.plan.provenance), "placer": "rlplace-agent", "winner": best.name,
                        "winner_kind": best.kind, "objective": objective, "predicted_step_time": best.value,
-                       "oom": best.oom, "best_baseline": min(base, key=Candidate.key).name if base else None,
-                       "best_baseline_time": min(base, key=Candidate.key).value if base else None,
+                       "oom": best.oom, "best_baseline": best_base.name if best_base else None,
+                       "best_baseline_time": best_base.value if best_base else None,
                        "candidates": len(cands), "seed": int(seed)}
-    return PlaceResult(plan=plan, best=best, candidates=cands, seconds=secs)
+    return plan
 
 
-__all__ = ["place", "PlaceResult", "Candidate", "PlaceError", "run_baselines", "load_policy", "rollout", "rollouts",
-           "objective_value", "PRETRAINED", "model_shape", "fast_placer_names", "resolve_model"]
+__all__ = ["place", "PlaceResult", "Candidate", "PlaceError", "run_baselines", "search_from_best", "load_policy",
+           "rollout", "rollouts", "PRETRAINED", "model_shape", "fast_placer_names", "resolve_model"]

@@ -27,7 +27,7 @@ bandwidth)`` (the simulator's roofline without the parameter-bytes term and laun
 
 ``lower_bound_any`` (no memory constraint) holds for every plan, including those that run out of memory;
 ``lower_bound`` holds for every plan that fits (and equals ``lower_bound_any`` if none can fit). For
-``throughput`` the value bounds :func:`agent.placers.common.score` (time per global batch).
+``throughput`` the value bounds :func:`agent.placers.common.objective_value` (time per global batch).
 The property test (tests/test_lower_bound.py) checks both against the simulator on random graphs and
 plans.
 """
@@ -39,7 +39,7 @@ import numpy as np
 from agent.placers.common import PlacerError, allowed_devices, plan_defaults, units
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
 from envs.plan import DTYPE_BYTES
-from envs.simulator import OBJECTIVES
+from envs.sim import OBJECTIVES
 from envs.topology import Topology
 
 SAFETY = 1.0 - 1e-7  # LP solver tolerance

@@ -28,11 +28,14 @@ slower (22 s vs 5 s per 1024 steps on this 2-core machine).
   scored by small heads on the graph summary; the ``phase`` one-hot picks which logits apply.
 - **Value head** — an MLP over the pooled embedding (masked mean of nodes and of devices, globals).
 
-Distinct tasks are told apart by an exact integer fingerprint of their static arrays. In a PPO minibatch the static encoders run once per distinct task and their output is
-gathered back to the rows (gradients flow through the gather, so this is exact). Without gradients
-(rollout collection, :mod:`agent.infer`) the static embeddings are also kept in a small LRU cache,
-stamped with the parameters' version counters so any optimiser step or ``load_state_dict`` discards
-them.
+Which arrays are static and which dynamic is the environment's declaration
+(:data:`envs.placement.observation.STATIC_KEYS` / ``DYNAMIC_KEYS``): the static encoders read only
+static keys (the graph and device ones), the dynamic part the rest. Distinct tasks are told apart by
+an exact integer fingerprint of all their static arrays. In a PPO minibatch the static encoders run
+once per distinct task and their output is gathered back to the rows (gradients flow through the
+gather, so this is exact). Without gradients (rollout collection, :mod:`agent.infer`) the static
+embeddings are also kept in a small LRU cache, stamped with the parameters' version counters so any
+optimiser step or ``load_state_dict`` discards them.
 
 :class:`GraphPlacementPolicy` plugs this into sb3-contrib's ``MaskableActorCriticPolicy``: the features
 extractor emits ``[per-action logits | pooled embedding]``, :class:`SplitLatent` routes the logits to
@@ -50,9 +53,11 @@ from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from torch import nn
 
+from envs.placement.observation import STATIC_KEYS
+
 N_GLOBAL_HEADS = 3  # microbatches, schedule, recompute
-STATIC_KEYS = ("node_features", "node_mask", "edge_index", "edge_features", "edge_mask", "device_features",
-               "device_mask", "device_bandwidth", "device_latency")
+
+
 def mlp(sizes: list[int], act: type[nn.Module] = nn.SiLU, last_act: bool = False) -> nn.Sequential:
     """A plain MLP ``sizes[0] -> ... -> sizes[-1]``."""
     layers: list[nn.Module] = []
@@ -180,7 +185,8 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         return h.reshape(b, n, -1)
 
     def _fingerprint(self, obs: dict[str, th.Tensor]) -> tuple[th.Tensor, int]:
-        """[B, 2] int64 fingerprints of the rows' static arrays, and the flattened length.
+        """[B, 2] int64 fingerprints of the rows' static arrays (every STATIC_KEYS array), and the
+        flattened length.
 
         The float32 bit patterns times fixed random integers, summed with int64 wrap-around: exact
         integer arithmetic, so identical rows always get identical fingerprints."""

@@ -73,7 +73,7 @@ class SelfImitationCallback(BaseCallback):
         from agent.imitation import behaviour_clone, replay
 
         if self._env is None:
-            from envs.placement_env import PlacementEnv
+            from envs.placement.env import PlacementEnv
 
             self._env = PlacementEnv(self.tasks, **self.env_kwargs)
         demos = [replay(self._env, t, best[t.name]["plan"], "best so far", float(best[t.name]["step_time"]))

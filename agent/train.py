@@ -177,8 +177,8 @@ def load_config(path: str | os.PathLike | dict, name: str | None = None) -> Trai
 # ---------------------------------------------------------------------- tasks
 def build_tasks(section: dict, seed: int = 0) -> list:
     """The Task list a ``tasks`` / ``eval_tasks`` section describes (graphs x topologies x batches)."""
+    from envs.presets import resolve_topology
     from envs.tasks import Task, load_builtin_graph
-    from envs.topology import resolve_topology
 
     if not isinstance(section, dict):
         raise TrainError("a tasks section must be a mapping")
@@ -227,7 +227,7 @@ def make_env_fn(tasks: Sequence, kwargs: dict, seed: int, ignore_sigint: bool = 
         import torch as th
         from stable_baselines3.common.monitor import Monitor
 
-        from envs.placement_env import PlacementEnv
+        from envs.placement.env import PlacementEnv
 
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -262,7 +262,7 @@ def build_envs(cfg: TrainConfig, tasks: Sequence, eval_tasks: Sequence, kw: dict
     """The training vec env and the eval vec env (None without held-out tasks). A task the env cannot
     take raises a one-line :class:`TrainError` here, in this process (a subprocess worker could not say
     why it died)."""
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     venv = None
     try:
@@ -350,8 +350,14 @@ class TrainResult:
     run_dir: Path
     model_path: Path
     num_timesteps: int
-    best: dict  # task -> {"step_time", "ref_time", "speedup", "heuristic_time", "plan"}
+    best: dict  # task -> {"step_time", "ref_time", "speedup", "oom", "timestep", "heuristic", ...}
     seconds: float
+    model: Any = field(default=None, repr=False)  # the trained MaskablePPO (its environments closed)
+    config: TrainConfig | None = field(default=None, repr=False)  # the config the run used
+    tasks: list = field(default_factory=list, repr=False)  # the training tasks
+    episodes: int = 0  # training episodes finished in this call
+    imitation: dict | None = None  # the behaviour-cloning report (agent.imitation.warm_start), if it ran
+    self_imitation_rounds: int | None = None  # self-imitation rounds, with a self_imitation section
 
 
 def _resume_config(run: Path, cfg: TrainConfig) -> TrainConfig:
@@ -391,35 +397,34 @@ def _save_interrupted(model, run: Path, cfg: TrainConfig) -> TrainingInterrupted
 
 def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.PathLike | None = None,
           total_steps: int | None = None, resume: bool = False, progress: bool = True, verbose: int = 0,
-          log: Callable[[str], None] | None = print) -> TrainResult:
+          log: Callable[[str], None] | None = print, callbacks: Sequence = (), deadline: float | None = None,
+          init_weights: str | os.PathLike | None = None) -> TrainResult:
     """Train (or resume) a MaskablePPO placement policy as the config says; returns the run summary.
 
     ``total_steps`` overrides the config's ``total_timesteps``: the step counter the run should reach
     (on ``resume`` it trains only the remaining steps). The config, the tasks and the environments are
     all checked before the run directory is created. Ctrl-C saves ``checkpoints/model_<steps>_steps.zip``
-    and raises :class:`TrainingInterrupted`."""
+    and raises :class:`TrainingInterrupted`.
+
+    Extension points: ``callbacks`` (SB3 callbacks) run after the run's own; ``deadline`` (a
+    ``time.perf_counter()`` value) ends PPO once that moment has passed, whatever the step count;
+    ``init_weights`` (a model zip, new runs only) initialises the policy's weights before the imitation
+    warm start (the GNN is padding-agnostic: a policy trained with other padding fits as long as its
+    widths and option count agree)."""
     import torch as th
-    from sb3_contrib import MaskablePPO
-    from stable_baselines3.common.callbacks import CallbackList
 
-    from agent.callbacks import (
-        AtomicCheckpointCallback,
-        BestPlanCallback,
-        GanttCallback,
-        GanttEvalCallback,
-        HParamCallback,
-        ProgressCallback,
-        TensorBoardResumeCallback,
-        atomic_save,
-    )
-    from agent.policy import GraphPlacementPolicy
-    from envs.files import atomic_write_text, check_output_dir
+    from agent.callbacks import DeadlineCallback, atomic_save
+    from agent.self_imitation import SelfImitationCallback
+    from envs.files import check_output_dir
 
+    # the run: config, tasks and environments, every one checked before anything is written
     given = config if isinstance(config, TrainConfig) else load_config(config)
     run = Path(run_dir) if run_dir is not None else Path("runs") / given.name
     target = int(total_steps if total_steps is not None else given.total_timesteps)
     if target < 1:
         raise TrainError(f"total steps must be >= 1, got {target}")
+    if resume and init_weights is not None:
+        raise TrainError("--resume continues the run's own weights; initial weights are for a new run")
     say = log or (lambda _m: None)
     th.set_num_threads(1)  # small per-step batches: one thread each avoids oversubscribing shared cores
     t0 = time.time()
@@ -428,86 +433,165 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
         check_output_dir(run, "run directory")
     tasks, eval_tasks = task_lists(cfg)
     kw = env_kwargs(cfg)
-    model_path = run / "model.zip"
-    if resume:
-        _remove_unfinished_saves(run)
-        src = pick_checkpoint(run, say)
+    source = _resume_source(run, say) if resume else None
+    weights = _policy_weights(init_weights) if init_weights is not None else None
     venv, eval_env = build_envs(cfg, tasks, eval_tasks, kw)
     try:
-        if resume:
-            try:
-                model = MaskablePPO.load(src, env=venv, device="cpu")
-            except ValueError as exc:  # spaces differ: the config's shapes changed since the checkpoint
-                raise TrainError(f"--resume: {src} does not fit the run's environment: {one_line(exc)}") from None
-            model.tensorboard_log = str(run / "tb")
-            say(f"resuming {src} at step {model.num_timesteps}")
-        else:
-            model = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", verbose=verbose,
-                                tensorboard_log=str(run / "tb"), policy_kwargs=cfg.policy, **cfg.ppo)
-            run.mkdir(parents=True, exist_ok=True)  # the first thing written, after every check
-            atomic_write_text(run / "config.yaml", yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
-        remaining = target - model.num_timesteps
-        cb_cfg = cfg.callbacks
-        best_cb = BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"),
-                                   baselines=bool(cb_cfg["baselines"]), log=say)
-        known = {}
-        if not resume and cfg.imitation is not None:
-            known = _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say)
-        callbacks = [best_cb, HParamCallback(cfg), AtomicCheckpointCallback(
-            save_freq=max(1, int(cb_cfg["checkpoint_freq"]) // cfg.n_envs), save_path=str(run / "checkpoints"),
-            name_prefix="model")]
-        if resume:
-            callbacks.insert(0, TensorBoardResumeCallback(model.num_timesteps))
-        if eval_env is not None:
-            n_eval = cb_cfg["n_eval_episodes"] or max(len(eval_tasks), 1)
-            eval_cb = GanttEvalCallback(eval_env, best_cb, n_eval_episodes=int(n_eval),
-                                        eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs),
-                                        best_model_save_path=str(run / "best"), log_path=str(run / "eval"),
-                                        deterministic=True, verbose=0)
-            if resume:
-                eval_cb.resume(int(model.num_timesteps), say)
-            callbacks.append(eval_cb)
-        else:
-            callbacks.append(GanttCallback(best_cb, eval_freq=max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs)))
-        if cfg.self_imitation is not None:
-            from agent.self_imitation import SelfImitationCallback
-
-            callbacks.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed, known=known,
-                                                   **cfg.self_imitation))
-        if progress:
-            callbacks.append(ProgressCallback(best_cb, target))
-        if remaining > 0:
-            try:
-                with warnings.catch_warnings():  # Subproc training vs Dummy eval env is intended
-                    warnings.filterwarnings("ignore", message="Training and eval env are not of the same type")
-                    # reset_num_timesteps=False on resume: the same step counter and TensorBoard curve
-                    model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), tb_log_name=TB_NAME,
-                                reset_num_timesteps=not resume, progress_bar=False)
-            except KeyboardInterrupt:
-                for cb in callbacks:
-                    if isinstance(cb, ProgressCallback):
-                        cb.close()
-                raise _save_interrupted(model, run, given) from None
-        else:
-            say(f"already at step {model.num_timesteps} >= {target}; nothing to train")
-        atomic_save(model, model_path)
-        best = best_cb.summary()
+        # the model: the checkpoint to resume, or a new one (initial weights, then behaviour cloning)
+        model = _resumed_model(source, venv, run, say) if resume else _new_model(cfg, venv, run, verbose, weights)
+        if weights is not None:
+            say(f"initial weights from {init_weights}")
+        best_cb = _best_plan_callback(cfg, tasks, kw, run, say)
+        imitation, known = _imitation_warm_start(model, cfg, tasks, kw, best_cb, run, say) \
+            if not resume and cfg.imitation is not None else (None, {})
+        # PPO with the run's callbacks, then the caller's
+        own = _run_callbacks(cfg, model, run, tasks, eval_tasks, eval_env, kw, best_cb, known, target, resume,
+                             progress, say)
+        extra = list(callbacks) + ([DeadlineCallback(deadline)] if deadline is not None else [])
+        _learn(model, own + extra, target, resume, run, given, say)
+        atomic_save(model, run / "model.zip")
     finally:
         _close_quietly(venv)
         _close_quietly(eval_env)
-    return TrainResult(run_dir=run, model_path=model_path, num_timesteps=int(model.num_timesteps), best=best,
-                       seconds=time.time() - t0)
+    self_imitation = next((cb for cb in own if isinstance(cb, SelfImitationCallback)), None)
+    return TrainResult(run_dir=run, model_path=run / "model.zip", num_timesteps=int(model.num_timesteps),
+                       best=best_cb.summary(), seconds=time.time() - t0, model=model, config=cfg, tasks=list(tasks),
+                       episodes=best_cb.episodes, imitation=imitation,
+                       self_imitation_rounds=None if self_imitation is None else self_imitation.rounds)
 
 
-def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, best_cb, run: Path, say) -> dict:
+def _resume_source(run: Path, say: Callable[[str], None]) -> Path:
+    """The checkpoint a resumed run continues from (unfinished saves of a killed run removed first)."""
+    _remove_unfinished_saves(run)
+    return pick_checkpoint(run, say)
+
+
+def _resumed_model(source: Path, venv, run: Path, say: Callable[[str], None]):
+    from sb3_contrib import MaskablePPO
+
+    try:
+        model = MaskablePPO.load(source, env=venv, device="cpu")
+    except ValueError as exc:  # spaces differ: the config's shapes changed since the checkpoint
+        raise TrainError(f"--resume: {source} does not fit the run's environment: {one_line(exc)}") from None
+    model.tensorboard_log = str(run / "tb")
+    say(f"resuming {source} at step {model.num_timesteps}")
+    return model
+
+
+def _new_model(cfg: TrainConfig, venv, run: Path, verbose: int, weights: dict | None = None):
+    """A fresh MaskablePPO (its policy set to ``weights`` if given); the run directory and its
+    ``config.yaml`` are the first things written."""
+    from sb3_contrib import MaskablePPO
+
+    from agent.policy import GraphPlacementPolicy
+    from envs.files import atomic_write_text
+
+    model = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", verbose=verbose,
+                        tensorboard_log=str(run / "tb"), policy_kwargs=cfg.policy, **cfg.ppo)
+    if weights is not None:
+        try:
+            model.policy.load_state_dict(weights)
+        except RuntimeError as exc:  # other widths or option count than the config's policy
+            raise TrainError(f"initial weights do not fit the config's policy: {one_line(exc)}") from None
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run / "config.yaml", yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
+    return model
+
+
+def _policy_weights(path: str | os.PathLike) -> dict:
+    """The policy weights (state dict) of the model zip at ``path``."""
+    from sb3_contrib import MaskablePPO
+
+    if not Path(path).is_file():
+        raise TrainError(f"initial weights not found: {path}")
+    try:
+        return MaskablePPO.load(path, device="cpu").policy.state_dict()
+    except Exception as exc:  # noqa: BLE001 - a broken zip, a pickle of unknown classes, ...
+        raise TrainError(f"cannot load initial weights {path}: {type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _best_plan_callback(cfg: TrainConfig, tasks: Sequence, kw: dict, run: Path, say: Callable[[str], None]):
+    from agent.callbacks import BestPlanCallback
+
+    return BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"),
+                            baselines=bool(cfg.callbacks["baselines"]), log=say)
+
+
+def _run_callbacks(cfg: TrainConfig, model, run: Path, tasks: Sequence, eval_tasks: Sequence, eval_env, kw: dict,
+                   best_cb, known: dict, target: int, resume: bool, progress: bool,
+                   say: Callable[[str], None]) -> list:
+    """The run's own callbacks, in order: (resume marker), best plans, hyperparameters, checkpoints,
+    held-out evaluation (or Gantt charts alone), self-imitation, progress bar."""
+    from agent.callbacks import (
+        AtomicCheckpointCallback,
+        GanttCallback,
+        GanttEvalCallback,
+        HParamCallback,
+        ProgressCallback,
+        TensorBoardResumeCallback,
+    )
+
+    cb_cfg = cfg.callbacks
+    every = max(1, int(cb_cfg["eval_freq"]) // cfg.n_envs)
+    out = [best_cb, HParamCallback(cfg), AtomicCheckpointCallback(
+        save_freq=max(1, int(cb_cfg["checkpoint_freq"]) // cfg.n_envs), save_path=str(run / "checkpoints"),
+        name_prefix="model")]
+    if resume:
+        out.insert(0, TensorBoardResumeCallback(model.num_timesteps))
+    if eval_env is not None:
+        n_eval = cb_cfg["n_eval_episodes"] or max(len(eval_tasks), 1)
+        eval_cb = GanttEvalCallback(eval_env, best_cb, n_eval_episodes=int(n_eval), eval_freq=every,
+                                    best_model_save_path=str(run / "best"), log_path=str(run / "eval"),
+                                    deterministic=True, verbose=0)
+        if resume:
+            eval_cb.resume(int(model.num_timesteps), say)
+        out.append(eval_cb)
+    else:
+        out.append(GanttCallback(best_cb, eval_freq=every))
+    if cfg.self_imitation is not None:
+        from agent.self_imitation import SelfImitationCallback
+
+        out.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed, known=known,
+                                         **cfg.self_imitation))
+    if progress:
+        out.append(ProgressCallback(best_cb, target))
+    return out
+
+
+def _learn(model, callbacks: list, target: int, resume: bool, run: Path, given: TrainConfig,
+           say: Callable[[str], None]) -> None:
+    """PPO up to step ``target`` (Ctrl-C: save a checkpoint and raise :class:`TrainingInterrupted`)."""
+    from stable_baselines3.common.callbacks import CallbackList
+
+    from agent.callbacks import ProgressCallback
+
+    remaining = target - model.num_timesteps
+    if remaining <= 0:
+        say(f"already at step {model.num_timesteps} >= {target}; nothing to train")
+        return
+    try:
+        with warnings.catch_warnings():  # Subproc training vs Dummy eval env is intended
+            warnings.filterwarnings("ignore", message="Training and eval env are not of the same type")
+            # reset_num_timesteps=False on resume: the same step counter and TensorBoard curve
+            model.learn(total_timesteps=remaining, callback=CallbackList(callbacks), tb_log_name=TB_NAME,
+                        reset_num_timesteps=not resume, progress_bar=False)
+    except KeyboardInterrupt:
+        for cb in callbacks:
+            if isinstance(cb, ProgressCallback):
+                cb.close()
+        raise _save_interrupted(model, run, given) from None
+
+
+def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, best_cb, run: Path,
+                          say) -> tuple[dict, dict]:
     """Clone the best heuristic plans before PPO; the heuristic table also feeds the best-plan callback.
-    Returns the cloned plans as self-imitation's known bests."""
+    Returns the imitation report and the cloned plans as self-imitation's known bests."""
     import json
 
     from agent.callbacks import atomic_save
     from agent.imitation import best_heuristic_plans, warm_start
     from agent.self_imitation import known_from_imitation
-    from envs.graph import atomic_write_json
+    from envs.files import atomic_write_json
 
     t = time.perf_counter()
     plans = best_heuristic_plans(tasks, kw.get("objective", "step_time"), seed=cfg.seed)
@@ -517,14 +601,14 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
     report = warm_start(model, tasks, kw, plans=plans, seed=cfg.seed, log=say, **cfg.imitation)
     atomic_write_json(run / "imitation.json", json.loads(json.dumps(report, default=float)))
     atomic_save(model, run / "checkpoints" / "model_0_steps.zip")  # the cloned policy, before any PPO step
-    return known_from_imitation(report, plans)
+    return report, known_from_imitation(report, plans)
 
 
 # ---------------------------------------------------------------------- evaluation helpers
 def greedy_scores(model, tasks: Sequence, kwargs: dict) -> np.ndarray:
     """The score of the policy's deterministic plan on each task (one episode per task; the final plan's
     ``info["score"]``, which in refine mode is not the last step's reward)."""
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     env = PlacementEnv(list(tasks), **kwargs)
     out = []

@@ -303,6 +303,17 @@ def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int) -> np.ndarray:
     return m.relabel()[group_of]
 
 
+def _find(parent: list[int], x: int) -> int:
+    """The root of ``x`` in the union-find forest ``parent`` (``parent[r] == r`` at a root), compressing
+    the path on the way. :class:`_Merger` keeps two forests: merged groups and tied co-location classes."""
+    root = x
+    while parent[root] != root:
+        root = parent[root]
+    while parent[x] != root:
+        parent[x], x = root, parent[x]
+    return root
+
+
 class _Merger:
     """Edge contraction on a DAG of groups with a maintained topological order ``pos``."""
 
@@ -397,13 +408,7 @@ class _Merger:
 
     # -- co-location bookkeeping
     def _cfind(self, c: int) -> int:
-        parent = self.cparent
-        root = c
-        while parent[root] != root:
-            root = parent[root]
-        while parent[c] != root:
-            parent[c], c = root, parent[c]
-        return root
+        return _find(self.cparent, c)
 
     def _cunion(self, a: int, b: int) -> int:
         ra, rb = self._cfind(a), self._cfind(b)
@@ -546,19 +551,10 @@ class _Merger:
             ver[first] += 1
             heapq.heappush(heap, (w[first], self.pos[first], first, ver[first]))
 
-    def _find(self, g: int) -> int:
-        parent = self.parent
-        root = g
-        while parent[root] != root:
-            root = parent[root]
-        while parent[g] != root:
-            parent[g], g = root, parent[g]
-        return root
-
     def relabel(self) -> np.ndarray:
         """New id per initial group: surviving groups numbered by their order position."""
         k = len(self.parent)
-        roots = [self._find(g) for g in range(k)]
+        roots = [_find(self.parent, g) for g in range(k)]
         alive = sorted(set(roots), key=self.pos.__getitem__)
         new = {g: i for i, g in enumerate(alive)}
         return np.asarray([new[r] for r in roots], dtype=np.int64)

@@ -1,8 +1,8 @@
 """Evaluators: the reward source of the placement environments.
 
-An :class:`Evaluator` turns (graph, topology, plan, objective) into an :class:`EvalResult` (step time,
-peak memory per device, OOM). :class:`SimulatorEvaluator` (the default) calls
-:func:`envs.simulator.simulate` and caches results by the plan's decisions (``Plan.key()``), per graph
+A :class:`PlanEvaluator` turns (graph, topology, plan, objective) into an :class:`EvalResult` (step
+time, peak memory per device, OOM). :class:`CachedSimulation` (the default) calls
+:func:`envs.sim.simulate` and caches results by the plan's decisions (``Plan.key()``), per graph
 and topology, in a bounded LRU, so re-visited plans (common late in training, and for the reference
 plans of every task) cost a dictionary lookup. A measured executor (``profilers/``) can implement the
 same protocol.
@@ -40,18 +40,18 @@ class EvalResult:
 
 
 @runtime_checkable
-class Evaluator(Protocol):
+class PlanEvaluator(Protocol):
     """Anything that predicts or measures a plan's step time and memory."""
 
     def evaluate(self, graph: OpGraph, topology: Topology, plan: Plan, objective: str = "step_time") -> EvalResult:
         ...
 
 
-class SimulatorEvaluator:
+class CachedSimulation:
     """The simulator as an evaluator, with an LRU cache keyed by (graph, topology, objective, plan key).
 
-    ``simulate`` already runs the compiled evaluator (``envs.fast_sim.Simulator``, cached per graph
-    and topology) when the simulator has it; its one-node ``delta`` was measured no faster than a full
+    ``simulate`` already runs the compiled builder (:class:`envs.sim.CompiledSimulator`, cached per
+    graph and topology); its one-node ``delta`` was measured no faster than a full
     evaluation on the environments' coarse graphs (~0.7 ms vs ~0.9 ms for 52 groups on 8 GPUs), so
     every miss is a plain ``simulate(..., timeline=False, validate=False)``.
 
@@ -81,7 +81,7 @@ class SimulatorEvaluator:
         return res
 
     def _simulate(self, graph: OpGraph, topology: Topology, plan: Plan, objective: str) -> EvalResult:
-        from envs.simulator import simulate
+        from envs.sim import simulate
 
         rep = simulate(graph, topology, plan, objective, timeline=False, validate=self.validate)
         return EvalResult(step_time=float(rep.step_time), peak_memory=np.asarray(rep.peak_memory, dtype=np.float64),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from envs.simulator import StepReport
+from envs.sim import StepReport
 
 COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "optimizer": "#55A868"}
 

@@ -270,14 +270,15 @@ class OpGraph:
     def depth(self) -> np.ndarray:
         """Longest number of edges from any source to each node."""
         d = np.zeros(self.num_nodes, dtype=np.int64)
-        pred = self._pred_lists()
+        pred = self.predecessor_lists()
         for v in self.topological_order():
             ps = pred[v]
             if ps:
                 d[v] = 1 + max(d[p] for p in ps)
         return d
 
-    def _pred_lists(self) -> list[list[int]]:
+    def predecessor_lists(self) -> list[list[int]]:
+        """The producers of every node, as a list per node (in edge order)."""
         pred: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for s, t in zip(self.edge_src.tolist(), self.edge_dst.tolist()):
             pred[t].append(s)
@@ -288,7 +289,7 @@ class OpGraph:
         w = (self.fwd_flops + self.bwd_flops) if node_time is None else np.asarray(node_time, dtype=np.float64)
         dist = np.zeros(self.num_nodes)
         arg = np.full(self.num_nodes, -1, dtype=np.int64)
-        pred = self._pred_lists()
+        pred = self.predecessor_lists()
         for v in self.topological_order():
             best, who = 0.0, -1
             for p in pred[v]:

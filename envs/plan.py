@@ -28,16 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs.errors import PlanError
-from envs.graph import (
-    CAN_BATCH,
-    CAN_COL,
-    CAN_REPLICATE,
-    CAN_ROW,
-    DTYPE_BYTES,
-    OpGraph,
-    atomic_write_json,
-    int_array,
-)
+from envs.files import atomic_write_json
+from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, DTYPE_BYTES, OpGraph, int_array
 from envs.topology import Topology
 
 FORMAT = "rlplace.plan"
@@ -343,7 +335,7 @@ def megatron_layouts(graph: OpGraph) -> list[str]:
     column-split; weightless per-feature ops stay sharded between them; everything else replicated;
     embeddings vocab-parallel (row). (Shoeybi et al., "Megatron-LM", 2019, Sec. 3.)"""
     sharded = np.zeros(graph.num_nodes, dtype=bool)
-    pred = graph._pred_lists()
+    pred = graph.predecessor_lists()
     layouts = ["replicate"] * graph.num_nodes
     for v in graph.topological_order():
         caps = int(graph.layout_caps[v])

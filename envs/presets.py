@@ -1,4 +1,5 @@
-"""Topology presets for real machines, with datasheet numbers (source next to each value).
+"""Topology presets for real machines, with datasheet numbers (source next to each value), and
+:func:`resolve_topology`, which turns a preset name or a topology file into a :class:`Topology`.
 
 Datasheet peaks stay peaks; achievable fractions live in the efficiency factors (device
 ``compute_eff``/``mem_eff``, link ``efficiency``) so calibration changes those, not the peaks.
@@ -206,3 +207,15 @@ def preset(spec: str) -> Topology:
         return PRESETS[name](**kwargs)
     except TypeError as exc:
         raise TopologyError(f"bad arguments for preset {name!r}: {exc}") from exc
+
+
+def resolve_topology(spec: str | Topology) -> Topology:
+    """A preset name (``dgx-a100-80g``, ``a100-80g-cluster:nodes=4``) or a yaml/JSON file."""
+    if isinstance(spec, Topology):
+        return spec
+    name = str(spec).split(":", 1)[0]
+    if name in PRESETS:
+        return preset(str(spec))
+    if os.path.exists(spec):
+        return Topology.load(spec)
+    raise TopologyError(f"unknown topology {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a file")

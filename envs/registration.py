@@ -1,8 +1,8 @@
-"""Gymnasium registration of the rlplace environments (runs on ``import envs``)."""
+"""Gymnasium registration of the rlplace environments (``import envs.placement`` runs it)."""
 
 from __future__ import annotations
 
-ENV_IDS = {"rlplace/Placement-v0": "envs.placement_env:PlacementEnv"}
+ENV_IDS = {"rlplace/Placement-v0": "envs.placement.env:PlacementEnv"}
 
 
 def register_envs() -> None:

@@ -27,7 +27,8 @@ from envs.errors import EnvError
 from envs.examples import transformer_graph
 from envs.graph import GraphBuilder, OpGraph
 from envs.plan import DTYPE_BYTES
-from envs.topology import Topology, resolve_topology
+from envs.presets import resolve_topology
+from envs.topology import Topology
 
 DATA_DIR = Path(__file__).with_name("data")
 DEFAULT_TOPOLOGY = "dgx-a100-80g"

@@ -19,16 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 import numpy as np
+from numba import njit  # NUMBA_DISABLE_JIT=1 runs these kernels as plain Python, for debugging
 
 from envs.errors import TopologyError
-
-try:  # numba is a hard dependency, but keep a pure-Python fallback for debugging with NUMBA_DISABLE_JIT
-    from numba import njit
-except ImportError:  # pragma: no cover
-    def njit(*args, **kwargs):
-        def wrap(f):
-            return f
-        return wrap if not (args and callable(args[0])) else args[0]
 
 FORMAT = "rlplace.topology"
 VERSION = 1
@@ -611,17 +604,3 @@ class Topology:
         from envs.files import read_document
 
         return cls.from_dict(read_document(path, "topology file", TopologyError), source=path)
-
-
-def resolve_topology(spec: str | Topology) -> Topology:
-    """A preset name (``dgx-a100-80g``, ``a100-80g-cluster:nodes=4``) or a yaml/JSON file."""
-    if isinstance(spec, Topology):
-        return spec
-    from envs.presets import PRESETS, preset
-
-    name = str(spec).split(":", 1)[0]
-    if name in PRESETS:
-        return preset(str(spec))
-    if os.path.exists(spec):
-        return Topology.load(spec)
-    raise TopologyError(f"unknown topology {spec!r}: not a preset ({', '.join(sorted(PRESETS))}) nor a file")

@@ -22,15 +22,17 @@
     and the total with the fast baselines.
 
 Every target writes ``target_<x>.json`` and ``target_<x>.png`` into ``--out`` (atomically). All plan
-times are the simulator's step time on the *operator* graph. Training uses one torch thread per process
-and ``n_envs`` (2) environment processes.
+times are the simulator's step time on the *operator* graph. Training is :func:`agent.train.train` with a
+wall-clock deadline (``--minutes`` from the call: environments and the imitation warm start count), one
+torch thread per process and ``n_envs`` (2) environment processes; each run keeps its directory
+(checkpoints, TensorBoard logs, best plans) under ``runs/agent_targets/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import random
 import sys
 import tempfile
@@ -41,8 +43,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from envs.files import atomic_write_text  # noqa: E402
+from envs.gantt import save_figure  # noqa: E402
+
 CONFIGS = ROOT / "experiments" / "configs"
 DEFAULT_OUT = ROOT / "experiments" / "results" / "agent_targets"
+RUNS = ROOT / "runs" / "agent_targets"  # the training runs' directories (checkpoints, TensorBoard logs)
 
 
 # ---------------------------------------------------------------------- small helpers
@@ -55,33 +62,13 @@ def seed_everything(seed: int) -> None:
     th.set_num_threads(1)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path``, then ``os.replace`` (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(path: Path, obj: dict) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def write_png(path: Path, fig) -> None:
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 def new_figure(title: str, xlabel: str, ylabel: str):
@@ -103,102 +90,61 @@ def ms(seconds: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------- wall-clock PPO training
-def make_stop_and_track_callback(deadline_s: float, offset_s: float = 0.0):
-    """An SB3 callback that stops ``learn`` once ``offset_s`` (time already spent before ``learn``, e.g. the
-    imitation warm start) plus its own running time reach ``deadline_s``; it tracks the best plan per task.
-
-    ``best[task] = {"step_time", "oom", "plan", "t", "timestep"}`` (fits in memory first, then fastest);
-    ``curve[task]`` lists ``(seconds, timesteps, best_step_time)`` at every improvement and
-    ``history[task]`` every finished episode's ``(seconds, step_time, oom)``."""
+def training_curve(t0: float):
+    """An SB3 callback recording, per task, every finished episode as ``history[task]`` ``(seconds,
+    step_time, oom)`` and every improvement of the best plan as ``curve[task]`` ``(seconds, timesteps,
+    step_time, oom)`` (fits in memory first, then fastest); seconds count from ``t0``
+    (``time.perf_counter()``)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     from agent.callbacks import episode_plans
 
-    class StopOnTimeBestPlan(BaseCallback):
+    class TrainingCurve(BaseCallback):
         def __init__(self):
             super().__init__()
-            self.t0 = time.perf_counter()
-            self.best: dict[str, dict] = {}
+            self.best: dict[str, tuple[bool, float]] = {}
             self.curve: dict[str, list] = {}
-            self.history: dict[str, list] = {}  # every finished episode: (seconds, step_time, oom)
-            self.episodes = 0
-            self.imitation: dict | None = None
-            self.self_imitation = None  # the SelfImitationCallback, when the config has one
-
-        def _on_training_start(self) -> None:
-            self.t0 = time.perf_counter()
+            self.history: dict[str, list] = {}
 
         def elapsed(self) -> float:
-            return time.perf_counter() - self.t0 + offset_s
+            return time.perf_counter() - t0
 
         def _on_step(self) -> bool:
             for info in self.locals.get("infos", []):
                 if "plan" not in info:
                     continue
-                self.episodes += 1
                 task = info["task_id"]
                 self.history.setdefault(task, []).append((round(self.elapsed(), 2), float(info["step_time"]),
                                                           bool(info["oom"])))
-                for plan, st, oom in episode_plans(info):
-                    cur = self.best.get(task)
-                    if cur is None or (oom, st) < (cur["oom"], cur["step_time"]):
-                        self.best[task] = {"step_time": st, "oom": oom, "plan": plan, "t": self.elapsed(),
-                                           "timestep": int(self.num_timesteps)}
+                for _plan, st, oom in episode_plans(info):
+                    if task not in self.best or (oom, st) < self.best[task]:
+                        self.best[task] = (oom, st)
                         self.curve.setdefault(task, []).append((self.elapsed(), int(self.num_timesteps), st, oom))
-            return self.elapsed() < deadline_s  # False ends model.learn()
+            return True
 
-    return StopOnTimeBestPlan()
+    return TrainingCurve()
 
 
-def train_for(config_name: str, minutes: float, seed: int, warm_start: Path | None = None):
-    """PPO on a config's tasks for ``minutes`` of wall clock; returns (model, tracker, cfg, tasks).
-
-    ``warm_start``: a model zip whose policy weights initialise this run (the GNN is padding-agnostic,
-    so a policy trained with other padding fits as long as widths and the option count agree)."""
-    from sb3_contrib import MaskablePPO
-
-    from agent.policy import GraphPlacementPolicy
-    from agent.train import build_tasks, load_config, make_vec_env
+def train_minutes(config_name: str, minutes: float, seed: int, warm_start: Path | None = None):
+    """PPO on a config's tasks (seed: the config's + ``seed``) for ``minutes`` of wall clock, counted from
+    the call (building the environments and the imitation warm start included): :func:`agent.train.train`
+    with a deadline, its run directory a fresh folder under ``runs/agent_targets/``. ``warm_start``: a
+    model zip whose policy weights initialise the run. Returns (TrainResult, training curve)."""
+    from agent.train import load_config, train
 
     cfg = load_config(CONFIGS / f"{config_name}.yaml")
-    seed = cfg.seed + seed
-    seed_everything(seed)
-    tasks = build_tasks(cfg.raw["tasks"], seed=seed)
-    venv = make_vec_env(tasks, cfg.env, cfg.n_envs, seed)
-    try:
-        model = MaskablePPO(GraphPlacementPolicy, venv, seed=seed, device="cpu", verbose=0,
-                            policy_kwargs=cfg.policy, **cfg.ppo)
-        t_start = time.perf_counter()
-        if warm_start is not None:
-            src = MaskablePPO.load(warm_start, device="cpu")
-            model.policy.load_state_dict(src.policy.state_dict())
-            print(f"[{config_name}] warm start from {warm_start}")
-        imitation = None
-        if cfg.imitation is not None:  # its time counts against the budget
-            from agent.imitation import best_heuristic_plans
-            from agent.imitation import warm_start as imitate
-
-            plans = best_heuristic_plans(tasks, cfg.env.get("objective", "step_time"), seed)
-            imitation = imitate(model, tasks, cfg.env, seed=seed, plans=plans, log=print, **cfg.imitation)
-        tracker = make_stop_and_track_callback(minutes * 60.0, offset_s=time.perf_counter() - t_start)
-        tracker.imitation = imitation
-        callback = tracker
-        if cfg.self_imitation is not None:
-            from stable_baselines3.common.callbacks import CallbackList
-
-            from agent.self_imitation import SelfImitationCallback, known_from_imitation
-
-            known = known_from_imitation(imitation, plans) if imitation is not None else {}
-            tracker.self_imitation = SelfImitationCallback(tasks, cfg.env, lambda: tracker.best, seed=seed,
-                                                           known=known, **cfg.self_imitation)
-            callback = CallbackList([tracker, tracker.self_imitation])
-        # an effectively unbounded step target: the callback's clock ends training
-        model.learn(total_timesteps=10**9, callback=callback, progress_bar=False)
-    finally:
-        venv.close()
-    print(f"[{config_name}] trained {model.num_timesteps} steps, {tracker.episodes} episodes "
-          f"in {tracker.elapsed():.0f}s")
-    return model, tracker, cfg, tasks
+    cfg = dataclasses.replace(cfg, raw={**cfg.raw, "seed": cfg.seed + seed}, spec=None)
+    seed_everything(cfg.seed)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{config_name}-seed{cfg.seed}-", dir=RUNS))
+    t0 = time.perf_counter()
+    curve = training_curve(t0)
+    # an effectively unbounded step target: the deadline ends training
+    res = train(cfg, run_dir=run_dir, total_steps=10**9, progress=False, callbacks=[curve],
+                deadline=t0 + minutes * 60.0, init_weights=warm_start)
+    print(f"[{config_name}] trained {res.num_timesteps} steps, {res.episodes} episodes in {curve.elapsed():.0f}s "
+          f"(run: {run_dir})")
+    return res, curve
 
 
 def policy_best(model, task, cfg, samples: int, seed: int):
@@ -211,32 +157,25 @@ def policy_best(model, task, cfg, samples: int, seed: int):
     t = time.perf_counter()
     res = place(task.graph, task.topology, model=model, samples=samples, seed=seed, baselines=False,
                 max_groups=cfg.env["max_nodes"])
-    greedy = {c.name: ms(c.step_time) for c in res.candidates if c.name.startswith("policy greedy")}
+    greedy = {c.name: ms(c.value) for c in res.candidates if c.name.startswith("policy greedy")}
     return res.best, time.perf_counter() - t, greedy
 
 
 def heuristic_best(task, mcmc_seconds: float, seed: int) -> dict:
     """The fast placers (megatron_3d included) and MCMC from the best of them; the overall winner."""
-    from agent.infer import evaluate_candidate, local_search, run_baselines
-    from envs.evaluator import SimulatorEvaluator
+    from agent.infer import Candidate, run_baselines, search_from_best
+    from envs.evaluator import CachedSimulation
 
-    ev = SimulatorEvaluator(cache_size=4096)
+    ev = CachedSimulation(cache_size=4096)
     t = time.perf_counter()
     cands = run_baselines(task.graph, task.topology, "step_time", seed=seed, evaluator=ev)
     fast_s = time.perf_counter() - t
-    start = min(cands, key=lambda c: c.key())
-    t = time.perf_counter()
-    found = local_search(task.graph, task.topology, start.plan, "step_time", mcmc_seconds, seed) \
-        if mcmc_seconds > 0 else None
-    if found is not None:
-        c = evaluate_candidate(f"mcmc from {start.name}", "search", found, task.graph, task.topology,
-                               "step_time", ev, time.perf_counter() - t)
-        if c is not None:
-            cands.append(c)
-    best = min(cands, key=lambda c: c.key())
-    return {"winner": best.name, "step_time": best.step_time, "oom": best.oom, "fast_seconds": round(fast_s, 2),
+    if mcmc_seconds > 0:
+        cands += search_from_best(cands, task.graph, task.topology, "step_time", mcmc_seconds, seed, ev)
+    best = min(cands, key=Candidate.key)
+    return {"winner": best.name, "step_time": best.value, "oom": best.oom, "fast_seconds": round(fast_s, 2),
             "mcmc_seconds": mcmc_seconds,
-            "all_ms": {c.name: ms(c.step_time) for c in sorted(cands, key=lambda c: c.key())}}
+            "all_ms": {c.name: ms(c.value) for c in sorted(cands, key=Candidate.key)}}
 
 
 def _per_minute_median(history: list, h_time: float) -> list[dict]:
@@ -261,27 +200,27 @@ def target_a(args) -> dict:
     h_time = heur["step_time"]
     print(f"(a) best heuristic: {heur['winner']} {h_time * 1e3:.3f} ms (all: {heur['all_ms']})")
 
-    model, tracker, cfg, _ = train_for(args.config, args.minutes, args.seed, args.warm_start)
-    best = tracker.best.get(task.name)
+    res, tracker = train_minutes(args.config, args.minutes, args.seed, args.warm_start)
+    cfg, best, imitation = res.config, res.best.get(task.name), res.imitation
     curve = [{"seconds": round(s, 2), "timesteps": n, "best_ms": ms(st), "oom": oom, "ratio": round(h_time / st, 4)}
              for s, n, st, oom in tracker.curve.get(task.name, [])]
-    final, roll_s, greedy = policy_best(model, task, cfg, args.samples, args.seed)
-    ppo_time = min([final.step_time] + ([best["step_time"]] if best and not best["oom"] else []))
+    final, roll_s, greedy = policy_best(res.model, task, cfg, args.samples, args.seed)
+    ppo_time = min([final.value] + ([best["step_time"]] if best and not best["oom"] else []))
     ratio = h_time / ppo_time
     out = {"target": "a", "config": args.config, "mode": cfg.env.get("mode", "place"), "task": task.name,
            "ops": len(task.graph.names), "max_groups": cfg.env["max_nodes"],
            "minutes": args.minutes, "seed": args.seed,
            "warm_start": None if args.warm_start is None else str(args.warm_start),
-           "imitation": None if tracker.imitation is None else
-           {k: v for k, v in tracker.imitation.items() if k != "demonstrations"} |
-           {"demonstration": tracker.imitation["demonstrations"]}, "timesteps": int(model.num_timesteps),
-           "episodes": tracker.episodes, "heuristic": {**heur, "step_time_ms": ms(h_time)},
+           "imitation": None if imitation is None else
+           {k: v for k, v in imitation.items() if k != "demonstrations"} |
+           {"demonstration": imitation["demonstrations"]}, "timesteps": res.num_timesteps,
+           "episodes": res.episodes, "heuristic": {**heur, "step_time_ms": ms(h_time)},
            "ppo_best_training_ms": ms(best["step_time"]) if best else None,
            "ppo_best_training_oom": best["oom"] if best else None,
-           "ppo_final_policy_ms": ms(final.step_time), "ppo_final_policy_oom": final.oom,
+           "ppo_final_policy_ms": ms(final.value), "ppo_final_policy_oom": final.oom,
            "ppo_final_rollouts": {"samples": args.samples, "seconds": round(roll_s, 2)},
            "ppo_final_greedy_ms": greedy,
-           "self_imitation_rounds": None if tracker.self_imitation is None else tracker.self_imitation.rounds,
+           "self_imitation_rounds": res.self_imitation_rounds,
            "ppo_best_ms": ms(ppo_time),
            "ratio_heuristic_over_ppo": round(ratio, 4), "ppo_beats_heuristic": ratio > 1.0, "curve": curve,
            "episode_ratio_median_per_minute": _per_minute_median(tracker.history.get(task.name, []), h_time)}
@@ -317,18 +256,18 @@ def target_b(args) -> dict:
     held = build_tasks(zcfg.raw["eval_tasks"], seed=zcfg.seed)[0]
     sides = {"both": ["zeroshot", "specialist"], "combine": []}.get(args.side, [args.side])
     for side in sides:
-        model, tracker, cfg, tasks = train_for(f"target_b_{side}", args.minutes, args.seed)
+        res, tracker = train_minutes(f"target_b_{side}", args.minutes, args.seed)
         if side == "zeroshot":
-            assert all(t.graph.name != held.graph.name for t in tasks), "held-out graph leaked into training"
-        final, roll_s, _ = policy_best(model, held, cfg, args.samples, args.seed)
+            assert all(t.graph.name != held.graph.name for t in res.tasks), "held-out graph leaked into training"
+        final, roll_s, _ = policy_best(res.model, held, res.config, args.samples, args.seed)
         row = {"side": side, "config": f"target_b_{side}.yaml", "task": held.name, "minutes": args.minutes,
-               "seed": args.seed, "timesteps": int(model.num_timesteps), "episodes": tracker.episodes,
-               "train_tasks": [t.name for t in tasks],
-               "final_policy_ms": ms(final.step_time), "final_policy_oom": final.oom,
+               "seed": args.seed, "timesteps": res.num_timesteps, "episodes": res.episodes,
+               "train_tasks": [t.name for t in res.tasks],
+               "final_policy_ms": ms(final.value), "final_policy_oom": final.oom,
                "final_rollouts": {"samples": args.samples, "seconds": round(roll_s, 2)}}
-        times = [final.step_time]
+        times = [final.value]
         if side == "specialist":  # the specialist also searched this very task while training
-            b = tracker.best.get(held.name)
+            b = res.best.get(held.name)
             row["best_training_ms"] = ms(b["step_time"]) if b else None
             row["curve"] = [{"seconds": round(s, 2), "timesteps": n, "best_ms": ms(st), "oom": oom}
                             for s, n, st, oom in tracker.curve.get(held.name, [])]
@@ -372,10 +311,10 @@ def target_b(args) -> dict:
 
 # ---------------------------------------------------------------------- (c) place latency, pretrained policy
 def target_c(args) -> dict:
-    from agent.infer import PRETRAINED, _placement_env, load_policy, place
+    from agent.infer import PRETRAINED, load_policy, place, policy_env
     from envs.examples import transformer_graph
+    from envs.presets import resolve_topology
     from envs.tasks import Task
-    from envs.topology import resolve_topology
 
     seed_everything(args.seed)
     # 10 ops per layer (+4); at 2x --groups ops the coarsening, not the graph, sets the group count (the
@@ -387,7 +326,7 @@ def target_c(args) -> dict:
     model = load_policy(PRETRAINED)
     load_s = time.perf_counter() - t
     task = Task(graph, topo)
-    env, _, _ = _placement_env(model, task, "step_time", args.groups)
+    env, _, _ = policy_env(model, task, "step_time", args.groups)
     groups = int(env.reset(options={"task": task})[1]["num_groups"])
     print(f"(c) {graph.name}: {len(graph.names)} ops, {groups} groups, {PRETRAINED.name} loaded in {load_s:.2f}s")
 
@@ -408,8 +347,8 @@ def target_c(args) -> dict:
            "policy_only_breakdown": {k: round(v, 3) for k, v in pol.seconds.items()},
            "total_with_baselines_seconds": round(total_s, 3),
            "total_breakdown": {k: round(v, 3) for k, v in full.seconds.items()},
-           "policy_best_ms": ms(pol.best.step_time), "best_baseline": base.name if base else None,
-           "best_baseline_ms": ms(base.step_time) if base else None, "winner": full.best.name,
+           "policy_best_ms": ms(pol.best.value), "best_baseline": base.name if base else None,
+           "best_baseline_ms": ms(base.value) if base else None, "winner": full.best.name,
            "note": "graph built in memory: no tracing; a fresh process adds imports and the policy load"}
     print(f"(c) policy only {policy_s:.2f}s ({out['policy_only_breakdown']}; greedy alone, warm: {greedy_s:.2f}s); "
           f"with baselines {total_s:.2f}s "

@@ -2,6 +2,8 @@
 graph with module paths, and a training graph with explicit backward nodes and co-location classes.
 
 Run: ``python -m experiments.bench_coarsen [--sizes 10000 100000] [--max-nodes 512] [--methods auto]``.
+Budget: a graph of 100k ops or more coarsens in under a minute (:data:`BUDGET_S`) with every method; a
+run over budget says so and exits 1.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import numpy as np
 
 from envs.coarsen import coarsen
 from envs.graph import OpGraph
+
+BUDGET_S = 60.0  # seconds to coarsen a graph of BUDGET_OPS ops or more
+BUDGET_OPS = 100_000
 
 
 def layered_graph(layers: int, ops_per_layer: int = 100, *, heads: int = 8, hidden: int = 1024,
@@ -136,17 +141,22 @@ def bench(sizes: list[int], max_nodes: int, methods: list[str], ops_per_layer: i
                   f"{row['coarse_edges']:>5} edges (level {row['level']})  {dt:7.2f} s  "
                   f"(graph built in {built:.2f} s; heaviest group {row['max_over_mean_flops']:.2f}x mean)",
                   flush=True)
+            if g.num_nodes >= BUDGET_OPS:
+                row["within_budget"] = dt < BUDGET_S
+                print(f"{'':<16} {BUDGET_OPS // 1000}k-op budget {BUDGET_S:.0f} s: "
+                      f"{'ok' if row['within_budget'] else 'EXCEEDED'}", flush=True)
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--max-nodes", type=int, default=512)
     ap.add_argument("--methods", nargs="+", default=["auto", "module", "light", "partition"])
     args = ap.parse_args(argv)
-    bench(args.sizes, args.max_nodes, args.methods)
+    rows = bench(args.sizes, args.max_nodes, args.methods)
+    return 1 if any(r.get("within_budget") is False for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from envs.examples import transformer_graph
-from envs.placement_env import PlacementEnv
+from envs.placement.env import PlacementEnv
 from envs.presets import preset
 from envs.tasks import Task
 
@@ -54,7 +54,8 @@ def bench(groups: int, topology: str, seconds: float, seed: int = 0) -> dict:
             if time.perf_counter() - t0 > seconds:
                 break
     wall = time.perf_counter() - t0
-    return {"groups": int(env.graph.num_nodes), "devices": nd, "topology": topology, "options": env._p.options.size,
+    return {"groups": int(env.graph.num_nodes), "devices": nd, "topology": topology,
+            "options": env.prepared.options.size,
             "steps": steps, "episodes": episodes, "steps_per_s": steps / wall,
             "decision_steps_per_s": (steps - episodes) / max(wall - final_time, 1e-9),
             "sim_ms": 1e3 * final_time / max(episodes, 1)}

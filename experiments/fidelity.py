@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from envs.graph import atomic_write_json
+from envs.files import atomic_write_json, atomic_write_text
+from envs.gantt import save_figure
 from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.topology import Topology
 from profilers.fidelity_fit import Sample, fit, metrics, params_of, predict
@@ -102,15 +103,6 @@ def candidate_plans(graph: Any, topo: Topology) -> list[tuple[str, Plan]]:
     return list(uniq.values())
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def plot(path: Path, measured: np.ndarray, before: np.ndarray, after: np.ndarray, train: np.ndarray) -> None:
     """Log-log predicted vs measured, before and after calibration (PNG, written atomically)."""
     import matplotlib
@@ -132,84 +124,28 @@ def plot(path: Path, measured: np.ndarray, before: np.ndarray, after: np.ndarray
         ax.legend()
     axes[0].set_ylabel("simulated step time (ms)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity", *, steps: int = 5,
         warmup: int = 2, rounds: int = 3, seed: int = 0, train_fraction: float = 0.6, install: bool = False,
         models: list[str] | None = None, log=print) -> dict[str, Any]:
     """Measure, simulate, fit and report (see the module docstring); returns the results dict."""
-    from profilers.execute import prepare
-    from profilers.measured_evaluator import MeasuredEvaluator
-    from profilers.spec import graph_from_spec
-
     t_start = time.time()
-    outdir = Path(out)
     topo0 = default_topology(2)
     rng = random.Random(seed)
-    cands: list[tuple[str, str, Any, Plan]] = []
-    refused: list[dict[str, str]] = []
-    for spec in models or MODELS:
-        g = graph_from_spec(spec, dtype="fp32")
-        for label, p in candidate_plans(g, topo0):
-            try:
-                prepare(p, spec, g)
-            except Exception as exc:  # noqa: BLE001 - the executor's reason is reported
-                refused.append({"model": spec, "plan": label, "reason": str(exc)[:200]})
-                continue
-            cands.append((spec, label, g, p))
-    log(f"{len(cands)} runnable plans ({len(refused)} refused by the executor)")
-    if len(cands) > plans:  # keep every model represented: drop at random, evenly
-        rng.shuffle(cands)
-        cands = sorted(cands[:plans], key=lambda c: (c[0], c[1]))
-    samples: list[Sample] = []
-    times: dict[int, list[float]] = {i: [] for i in range(len(cands))}
-    with ExitStack() as stack:  # one persistent pool per model, all alive, so rounds interleave models
-        evs = {spec: stack.enter_context(MeasuredEvaluator(spec, steps=steps, warmup=warmup, workers=2, timeout=120))
-               for spec in dict.fromkeys(c[0] for c in cands)}
-        for rnd in range(rounds):
-            order = list(range(len(cands)))
-            rng.shuffle(order)  # host load drifts: every round visits the plans in a new order
-            for i in order:
-                spec, label, g, p = cands[i]
-                ev = evs[spec]
-                ev.clear()  # re-measure: each round is an independent measurement
-                r = ev.evaluate(g, topo0, p)
-                if r.extra.get("refused"):
-                    if rnd == 0:
-                        refused.append({"model": spec, "plan": label, "reason": r.extra["reason"][:200]})
-                    continue
-                times[i].append(r.step_time)
-            log(f"round {rnd + 1}/{rounds} done ({time.time() - t_start:.0f} s)")
-    spread = []
-    for i, (spec, label, g, p) in enumerate(cands):
-        if not times[i]:
-            continue
-        t = float(np.median(times[i]))
-        spread.append(max(times[i]) / min(times[i]))
-        samples.append(Sample(g, p, t, label=label, meta={"model": spec, "round_times": times[i]}))
-        log(f"  {spec[:40]:40s} {label:28s} measured {t * 1e3:8.2f} ms  (rounds: "
-            + ", ".join(f"{x * 1e3:.1f}" for x in times[i]) + ")")
+    cands, refused = runnable_plans(models or MODELS, topo0, plans, rng, log)
+    times = measure_rounds(cands, topo0, rounds, steps, warmup, rng, refused, t_start, log)
+    samples, spread = measured_samples(cands, times, log)
     t_meas = time.time() - t_start
-    n = len(samples)
-    order = list(range(n))
-    rng.shuffle(order)
-    n_train = max(1, int(round(train_fraction * n)))
-    train = np.zeros(n, dtype=bool)
-    train[order[:n_train]] = True
+    train = train_split(len(samples), train_fraction, rng)
     meas = np.array([s.measured for s in samples])
     before = predict(samples, topo0)
     res = fit([s for s, t in zip(samples, train) if t], topo0)
     after = predict(samples, res.topology)
     report: dict[str, Any] = {"command": f"python -m experiments.fidelity --plans {plans} --rounds {rounds} --steps "
                                          f"{steps} --warmup {warmup} --seed {seed}", "host_cpus": os.cpu_count(), "steps": steps, "warmup": warmup, "seed": seed,
-                              "n_plans": n, "n_train": int(train.sum()), "n_heldout": int((~train).sum()),
+                              "n_plans": len(samples), "n_train": int(train.sum()), "n_heldout": int((~train).sum()),
                               "measure_seconds": t_meas, "rounds": rounds,
                               "round_spread_median": float(np.median(spread)) if spread else None,
                               "round_mape_to_median": _noise(samples), "fit_evaluations": res.evaluations,
@@ -223,6 +159,92 @@ def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity"
         report["plans"].append({"model": s.meta["model"], "plan": s.label, "train": bool(train[i]),
                                 "measured_s": float(meas[i]), "before_s": float(before[i]), "after_s": float(after[i]),
                                 "round_times": s.meta["round_times"]})
+    write_outputs(Path(out), report, res, install, meas, before, after, train, t_start)
+    log(markdown(report))
+    return report
+
+
+def runnable_plans(models: list[str], topo: Topology, limit: int, rng: random.Random,
+                   log) -> tuple[list[tuple[str, str, Any, Plan]], list[dict[str, str]]]:
+    """``(model, label, graph, plan)`` of the candidate plans the executor accepts (at most ``limit``,
+    dropped at random and evenly, so every model stays represented), and the refused ones with reasons."""
+    from profilers.execute import prepare
+    from profilers.spec import graph_from_spec
+
+    cands: list[tuple[str, str, Any, Plan]] = []
+    refused: list[dict[str, str]] = []
+    for spec in models:
+        g = graph_from_spec(spec, dtype="fp32")
+        for label, p in candidate_plans(g, topo):
+            try:
+                prepare(p, spec, g)
+            except Exception as exc:  # noqa: BLE001 - the executor's reason is reported
+                refused.append({"model": spec, "plan": label, "reason": str(exc)[:200]})
+                continue
+            cands.append((spec, label, g, p))
+    log(f"{len(cands)} runnable plans ({len(refused)} refused by the executor)")
+    if len(cands) > limit:
+        rng.shuffle(cands)
+        cands = sorted(cands[:limit], key=lambda c: (c[0], c[1]))
+    return cands, refused
+
+
+def measure_rounds(cands: list, topo: Topology, rounds: int, steps: int, warmup: int, rng: random.Random,
+                   refused: list[dict[str, str]], t_start: float, log) -> dict[int, list[float]]:
+    """Measured step times of every plan, one per round: one persistent pool per model, all alive, so
+    rounds interleave models; each round visits the plans in a new random order (host load drifts) and
+    re-measures (an independent measurement). Plans the pool refuses are added to ``refused``."""
+    from profilers.measured_evaluator import MeasuredEvaluator
+
+    times: dict[int, list[float]] = {i: [] for i in range(len(cands))}
+    with ExitStack() as stack:
+        evs = {spec: stack.enter_context(MeasuredEvaluator(spec, steps=steps, warmup=warmup, workers=2, timeout=120))
+               for spec in dict.fromkeys(c[0] for c in cands)}
+        for rnd in range(rounds):
+            order = list(range(len(cands)))
+            rng.shuffle(order)
+            for i in order:
+                spec, label, g, p = cands[i]
+                ev = evs[spec]
+                ev.clear()
+                r = ev.evaluate(g, topo, p)
+                if r.extra.get("refused"):
+                    if rnd == 0:
+                        refused.append({"model": spec, "plan": label, "reason": r.extra["reason"][:200]})
+                    continue
+                times[i].append(r.step_time)
+            log(f"round {rnd + 1}/{rounds} done ({time.time() - t_start:.0f} s)")
+    return times
+
+
+def measured_samples(cands: list, times: dict[int, list[float]], log) -> tuple[list[Sample], list[float]]:
+    """One fitting sample per measured plan (the median over rounds) and each plan's max/min spread."""
+    samples: list[Sample] = []
+    spread = []
+    for i, (spec, label, g, p) in enumerate(cands):
+        if not times[i]:
+            continue
+        t = float(np.median(times[i]))
+        spread.append(max(times[i]) / min(times[i]))
+        samples.append(Sample(g, p, t, label=label, meta={"model": spec, "round_times": times[i]}))
+        log(f"  {spec[:40]:40s} {label:28s} measured {t * 1e3:8.2f} ms  (rounds: "
+            + ", ".join(f"{x * 1e3:.1f}" for x in times[i]) + ")")
+    return samples, spread
+
+
+def train_split(n: int, train_fraction: float, rng: random.Random) -> np.ndarray:
+    """A random ``train_fraction`` of ``n`` samples (at least one) for fitting; the rest is held out."""
+    order = list(range(n))
+    rng.shuffle(order)
+    train = np.zeros(n, dtype=bool)
+    train[order[:max(1, int(round(train_fraction * n)))]] = True
+    return train
+
+
+def write_outputs(outdir: Path, report: dict[str, Any], res: Any, install: bool, meas: np.ndarray,
+                  before: np.ndarray, after: np.ndarray, train: np.ndarray, t_start: float) -> None:
+    """The fitted topology (and with ``install`` this host's calibration), results.json, results.md and
+    the plot; ``report`` gains ``installed`` and ``total_seconds``."""
     outdir.mkdir(parents=True, exist_ok=True)
     res.topology.meta.update({"fidelity": {k: report["metrics"]["after"][k] for k in ("train", "heldout")},
                               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
@@ -234,12 +256,8 @@ def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity"
         report["installed"] = str(calibrated_cpu_local_path())
     report["total_seconds"] = time.time() - t_start
     atomic_write_json(outdir / "results.json", report)
-    _atomic_text(outdir / "results.md", markdown(report))
+    atomic_write_text(outdir / "results.md", markdown(report))
     plot(outdir / "fidelity.png", meas, before, after, train)
-    for name in ("results.json", "cpu-local-calibrated.json"):  # atomic_write_json leaves mkstemp's 0600
-        os.chmod(outdir / name, 0o644)
-    log(markdown(report))
-    return report
 
 
 def _pct(x: float | None) -> str:

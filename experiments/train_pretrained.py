@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     from agent.infer import PRETRAINED, place
     from agent.train import build_tasks, greedy_scores, load_config, train
+    from envs.files import atomic_write_bytes, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=None, help="total timesteps (default: the config's)")
@@ -52,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {path.name:28s} mean greedy score on the training tasks {mean:+.4f}")
     pick = max(range(len(selection)), key=lambda i: (selection[i]["mean_greedy_score"], i))
     chosen = (ckpts + [res.model_path])[pick]
-    PRETRAINED.parent.mkdir(parents=True, exist_ok=True)
-    tmp = PRETRAINED.with_name(f".{PRETRAINED.name}.tmp")
-    shutil.copyfile(chosen, tmp)
-    os.replace(tmp, PRETRAINED)  # never a half-written shipped policy
+    atomic_write_bytes(PRETRAINED, chosen.read_bytes(), "shipped policy")  # never a half-written one
     print(f"shipped {chosen.name} as {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
 
     model = MaskablePPO.load(PRETRAINED, device="cpu")
@@ -78,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['split']:10s} {name:32s} greedy score {row['greedy_score']:+.3f}  policy {row['policy_best_ms']:.3f} ms"
               f"  baseline {row['best_baseline']} {row['baseline_ms']} ms  x{row['policy_vs_baseline']}")
     out = Path(args.run_dir) / "pretrained_report.json"
-    out.write_text(json.dumps(report, indent=2))
+    atomic_write_text(out, json.dumps(report, indent=2), "report")
     print(f"report: {out} (total {time.time() - t0:.0f}s)")
     return 0
 

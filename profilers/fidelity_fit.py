@@ -105,7 +105,7 @@ def apply_params(base: Topology, params: CalibParams, *, name: str | None = None
 
 def predict(samples: list[Sample], topology: Topology) -> np.ndarray:
     """Simulated step time of every sample's plan on ``topology``."""
-    from envs.simulator import simulate
+    from envs.sim import simulate
 
     return np.array([simulate(s.graph, topology, s.plan, "step_time", timeline=False, validate=False).step_time
                      for s in samples], dtype=np.float64)

@@ -1,16 +1,15 @@
-"""Measured rewards: an :class:`envs.evaluator.Evaluator` that *runs* every plan it is asked about.
+"""Measured rewards: an :class:`envs.evaluator.PlanEvaluator` that *runs* every plan it is asked about.
 
 ``MeasuredEvaluator("mlp:layers=2,...", steps=3, warmup=1, workers=2)`` keeps a **persistent pool**
 of ``workers`` local processes (forkserver where the platform has it, else spawn) joined in one
 ``torch.distributed`` gloo group for its whole life. Each evaluation sends the plan's execution job
-(:func:`profilers.execute.prepare` -> :class:`profilers.exec_plan.ExecLayout`) to every worker over a
-pipe; ranks ``0 .. w-1`` of a plan that needs ``w = pp * dp * tp`` ranks rebuild the stage / DDP /
-tensor-parallel program for that plan with the executor's own pieces (``build_seeded_model``,
-``decompose``, ``Chain``, ``Recompute``, ``apply_tensor_parallel``, ``PipelineStage`` + GPipe/1F1B,
-``make_batch``, ``mse``) on a ``(pp, dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
-over those ranks (created collectively once per mesh shape and kept), and time ``warmup + steps``
-SGD steps (the slowest rank's wall time per step, as :func:`profilers.execute.execute_plan` does);
-ranks ``>= w`` only take part in creating the sub-groups. No process is started per evaluation.
+(:func:`profilers.execute.prepare` -> :class:`profilers.execution_layout.ExecLayout`) to every worker
+over a pipe; ranks ``0 .. w-1`` of a plan that needs ``w = pp * dp * tp`` ranks run the executor's own
+rank program (:func:`profilers.rank_program.train_rank`: the stage / DDP / tensor-parallel program of
+the plan) on a ``(pp, dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` over those ranks
+(created collectively once per mesh shape and kept), timing ``warmup + steps`` SGD steps (the slowest
+rank's wall time per step, as :func:`profilers.execute.execute_plan` does); ranks ``>= w`` only take
+part in creating the sub-groups. No process is started per evaluation.
 
 **Result.** ``step_time`` is the median of the timed steps. ``peak_memory`` / ``memory_capacity`` /
 ``oom`` come from the simulator's memory model of the plan (on CPU the measured peak RSS includes the
@@ -25,7 +24,7 @@ do not raise: they return a flagged result so an environment never crashes mid-t
 simulator's prediction x ``refused_factor`` (default 10), and ``oom=True`` with ``peak_memory`` set to
 ``refused_overflow`` (default 2) x capacity on the plan's devices, so the environment's OOM path
 scores it at most ``-1 - log(refused_overflow)``. Objectives other than ``step_time`` raise
-:class:`~profilers.exec_plan.ExecutionError` (only whole training steps are measured).
+:class:`~profilers.execution_layout.ExecutionError` (only whole training steps are measured).
 
 **Cache.** Results (measured and refused) are cached by ``(objective, graph size, plan.key())`` in a
 bounded LRU: a repeated plan is not re-measured (``measurements`` counts the plans sent to the pool,
@@ -33,11 +32,11 @@ bounded LRU: a repeated plan is not re-measured (``measurements`` counts the pla
 
 **Failures never hang.** Every collective has ``collective_timeout`` and every evaluation a
 ``timeout`` deadline; a worker that raises, dies or overruns tears the whole pool down (its gloo group
-is unusable after a failed collective) and raises :class:`~profilers.exec_plan.WorkerError` (an
+is unusable after a failed collective) and raises :class:`~profilers.execution_layout.WorkerError` (an
 ``RlplaceError``) naming the first failing rank and its message. The next evaluation starts a fresh
 pool. With ``on_worker_error="penalize"`` the failure is instead returned as a refused result
 (``extra["worker_error"]``), for long unattended training. The ``RLPLACE_EXEC_FAIL_RANK`` hook of
-:mod:`profilers.execute` (``<rank>`` raise, ``<rank>:hang`` hang) is read in the parent at every
+:mod:`profilers.rank_program` (``<rank>`` raise, ``<rank>:hang`` hang) is read in the parent at every
 evaluation and applied by that worker after it has joined the plan's sub-groups.
 
 ``close()`` (or leaving a ``with`` block) stops the workers.
@@ -50,32 +49,13 @@ import statistics
 import time
 import traceback
 from collections import OrderedDict
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn as nn
 
-from profilers.exec_plan import (
-    Chain,
-    ExecLayout,
-    ExecutionError,
-    Recompute,
-    WorkerError,
-    apply_tensor_parallel,
-    decompose,
-)
-from profilers.execute import (
-    FAIL_ENV,
-    _allreduce_grads,
-    _free_port,
-    _Job,
-    _peak_memory,
-    build_seeded_model,
-    make_batch,
-    mse,
-)
+from profilers.execution_layout import ExecLayout, ExecutionError, WorkerError
+from profilers.rank_program import FAIL_ENV, Job, free_port, inject_failure, train_rank
 
 if TYPE_CHECKING:  # workers import this module: keep envs.graph (networkx) out of them
     from envs.evaluator import EvalResult
@@ -83,9 +63,9 @@ if TYPE_CHECKING:  # workers import this module: keep envs.graph (networkx) out 
     from envs.plan import Plan
     from envs.topology import Topology
 
-__all__ = ["MeasuredEvaluator", "WorkerError", "ExecutionError"]
+__all__ = ["MeasuredEvaluator"]
 
-_PRELOAD = ["profilers.measured_evaluator", "profilers.execute", "profilers.zoo", "torch.distributed.pipelining",
+_PRELOAD = ["profilers.measured_evaluator", "profilers.rank_program", "profilers.zoo", "torch.distributed.pipelining",
             "torch.distributed.tensor.parallel", "torch.nn.parallel"]
 
 
@@ -105,77 +85,16 @@ def _mesh_for(shape: tuple[int, int, int], meshes: dict) -> tuple[Any, Any]:
     return hit
 
 
-def _measure_rank(rank: int, job: _Job, mesh: Any, group: Any) -> dict[str, Any]:
-    """One rank's part of ``warmup + steps`` training steps of ``job`` (the executor's per-rank program
-    on a sub-mesh): per-step times (max over the plan's ranks) and per-rank peak memory."""
-    import torch.distributed as dist
-
-    device = torch.device("cpu")
-    lay = job.layout
-    s, r, _ = lay.coords(rank)
-    stage = lay.stages[s]
-    model, example = build_seeded_model(job.spec, job.seed, job.dtype, job.zoo)
-    blocks, highs = decompose(model)
-    stage_mod: nn.Module = Chain([Recompute(blocks[b].module) if b in stage.recompute else blocks[b].module
-                                  for b in stage.blocks])
-    if lay.tp > 1:
-        apply_tensor_parallel(model, stage, mesh["tp"], lay.tp)
-    del model, blocks
-    dp_group = mesh["dp"].get_group() if lay.dp > 1 else None
-    if lay.dp > 1 and lay.pp == 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        stage_mod = DDP(stage_mod, process_group=dp_group)
-    opt = torch.optim.SGD(stage_mod.parameters(), lr=job.lr, foreach=False)
-    first, last = s == 0, s == lay.pp - 1
-    m = lay.microbatches
-    if lay.pp > 1:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        pstage = PipelineStage(stage_mod, s, lay.pp, device, group=mesh["pp"].get_group())
-        sched = (ScheduleGPipe if lay.schedule == "gpipe" else Schedule1F1B)(pstage, m, loss_fn=mse)
-    per_replica = lay.batch // lay.dp
-    rows = slice(r * per_replica, (r + 1) * per_replica)
-    times: list[float] = []
-    for step in range(job.warmup + job.steps):
-        xs, y = make_batch(example, highs, lay.batch, job.out_shape, job.seed, step, job.dtype)
-        xs = [x[rows] for x in xs] if first else []
-        y = y[rows]
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if lay.pp > 1:
-            sched.step(*xs, target=y if last else None, losses=[] if last else None, return_outputs=False)
-        else:
-            chunks = [torch.tensor_split(x, m) for x in xs]
-            ys = torch.tensor_split(y, m)
-            for j in range(m):
-                ctx = stage_mod.no_sync() if lay.dp > 1 and j < m - 1 else nullcontext()
-                with ctx:
-                    (mse(stage_mod(*[c[j] for c in chunks]), ys[j]) / m).backward()
-        if lay.pp > 1 and dp_group is not None:
-            _allreduce_grads(stage_mod, dp_group, lay.dp)
-        opt.step()
-        tt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=group)  # the step takes as long as its slowest rank
-        times.append(float(tt.item()))
-    mem = torch.zeros(lay.world_size, dtype=torch.float64)
-    mem[rank] = _peak_memory(device)
-    dist.all_reduce(mem, group=group)
-    return {"times": times, "memory": mem.tolist()}
-
-
 def _serve(rank: int, msg: dict[str, Any], meshes: dict) -> dict[str, Any] | None:
-    job: _Job = msg["job"]
+    """One job on this pool rank: join the plan's sub-groups, then (ranks of the plan only) run the rank
+    program on its sub-mesh, times and memory only (losses are the executor's check, not measured here)."""
+    job: Job = msg["job"]
     lay = job.layout
     mesh, group = _mesh_for((lay.pp, lay.dp, lay.tp), meshes)
-    fail_rank, _, mode = str(msg.get("fail", "")).strip().partition(":")
-    if fail_rank and int(fail_rank) == rank:
-        if mode == "hang":
-            time.sleep(3600)
-        raise RuntimeError(f"injected failure on rank {rank} ({FAIL_ENV})")
+    inject_failure(str(msg.get("fail", "")), rank)
     if rank >= lay.world_size:
         return None
-    return _measure_rank(rank, job, mesh, group)
+    return train_rank(rank, job, torch.device("cpu"), mesh, group, record_loss=False)
 
 
 def _worker_main(rank: int, world: int, port: int, conn: Any, threads: int, collective_timeout_s: float) -> None:
@@ -225,7 +144,7 @@ class _Pool:
         self.size = size
         self.conns: list[Any] = []
         self.procs: list[Any] = []
-        port = _free_port()
+        port = free_port()
         try:
             for rank in range(size):
                 parent, child = ctx.Pipe()
@@ -388,7 +307,7 @@ class MeasuredEvaluator:
 
         from envs.errors import RlplaceError
         from envs.evaluator import EvalResult
-        from envs.simulator import simulate
+        from envs.sim import simulate
         from profilers.execute import prepare
 
         sim = simulate(graph, topology, plan, objective, timeline=False, validate=False)
@@ -441,7 +360,7 @@ class MeasuredEvaluator:
         if lay.world_size > self.workers:
             raise ExecutionError(f"the layout needs {lay.world_size} ranks but the pool has {self.workers}")
         self.start()
-        job = _Job(spec=self.model_spec, layout=lay, steps=self.steps, warmup=self.warmup, backend="gloo",
+        job = Job(spec=self.model_spec, layout=lay, steps=self.steps, warmup=self.warmup, backend="gloo",
                    seed=self.seed, lr=self.lr, dtype=self.dtype, out_shape=tuple(out_shape),
                    collective_timeout_s=self.collective_timeout, threads=self.threads, zoo=self._zoo)
         self.measurements += 1

@@ -464,13 +464,26 @@ def graph_from_export(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
 def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtype: str,
                       name: str) -> tuple[OpGraph, list[list[torch.fx.Node]]]:
     """The OpGraph and, per OpGraph node, the exported fx nodes that do its work (in order)."""
+    flops_of, failed = _count_node_flops(ep)
+    param_target, user_inputs = _signature_inputs(ep)
+    flow = _Dataflow(param_target, flops_of, _dtype_bytes(dtype))
+    for n in ep.graph.nodes:
+        flow.visit(n)
+    edge = flow.edge_bytes()
+    kept, edge = _fuse_leaf_modules(flow.kept, flow.rec, edge)
+    graph = _op_graph(flow, kept, edge, _node_names(kept, flow.rec, user_inputs), failed, batch_size=batch_size,
+                      dtype=dtype, name=name)
+    return graph, [list(flow.rec[n]["members"]) for n in kept]
+
+
+def _signature_inputs(ep: torch.export.ExportedProgram) -> tuple[dict[str, str], list[str]]:
+    """The placeholders that hold parameters, buffers or constants (placeholder name -> their target),
+    and the names of the user inputs."""
     from torch.export.graph_signature import InputKind
 
-    flops_of, failed = _count_node_flops(ep)
-    sig = ep.graph_signature
     param_target: dict[str, str] = {}
     user_inputs: list[str] = []
-    for spec in sig.input_specs:
+    for spec in ep.graph_signature.input_specs:
         arg_name = getattr(spec.arg, "name", None)
         if arg_name is None:
             continue
@@ -478,45 +491,57 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
             param_target[arg_name] = spec.target or arg_name
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(arg_name)
-    dbytes = _dtype_bytes(dtype)
+    return param_target, user_inputs
 
-    # Per fx node: where its data comes from (kept producers), which params it carries, liveness.
-    origins: dict[torch.fx.Node, set[torch.fx.Node]] = {}
-    params: dict[torch.fx.Node, set[str]] = {}
-    live: dict[torch.fx.Node, bool] = {}  # depends on a user input or a parameter
-    kept: list[torch.fx.Node] = []
-    rec: dict[torch.fx.Node, dict] = {}
-    param_bytes_of: dict[str, float] = {}
-    assigned: dict[str, torch.fx.Node] = {}
-    shared: dict[str, list[str]] = {}
 
-    def inputs_of(n: torch.fx.Node) -> list[torch.fx.Node]:
-        return [a for a in n.all_input_nodes if a.op != "get_attr"]
+def _inputs_of(n: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in n.all_input_nodes if a.op != "get_attr"]
 
-    for n in ep.graph.nodes:
+
+class _Dataflow:
+    """One pass over the exported graph in order: which fx nodes do work (``kept``, with a record each in
+    ``rec``), and for every node where its data comes from (the kept producers it reads through folded
+    views), which parameters it carries to its first consumer, and whether it is live (depends on a user
+    input or a parameter)."""
+
+    def __init__(self, param_target: dict[str, str], flops_of: dict[torch.fx.Node, float], dbytes: int) -> None:
+        self.param_target, self.flops_of, self.dbytes = param_target, flops_of, dbytes
+        self.origins: dict[torch.fx.Node, set[torch.fx.Node]] = {}
+        self.params: dict[torch.fx.Node, set[str]] = {}
+        self.live: dict[torch.fx.Node, bool] = {}
+        self.kept: list[torch.fx.Node] = []
+        self.rec: dict[torch.fx.Node, dict] = {}
+        self.param_bytes_of: dict[str, float] = {}
+        self.assigned: dict[str, torch.fx.Node] = {}  # parameter -> the op it is counted on
+        self.shared: dict[str, list[str]] = {}  # parameter -> every op that uses it (tied weights)
+
+    def _set(self, n: torch.fx.Node, origins: set, params: set, live: bool) -> None:
+        self.origins[n], self.params[n], self.live[n] = origins, params, live
+
+    def visit(self, n: torch.fx.Node) -> None:
         if n.op == "placeholder":
-            val = n.meta.get("val")
-            if n.name in param_target:
-                tgt = param_target[n.name]
-                t = val if isinstance(val, torch.Tensor) else None
-                if t is not None:
-                    per = dbytes if t.is_floating_point() else t.element_size()
-                    param_bytes_of[tgt] = float(t.numel() * per)
-                origins[n], params[n], live[n] = set(), {tgt}, True
-            else:
-                origins[n], params[n], live[n] = {n}, set(), True
-                kept.append(n)
-                rec[n] = dict(kind="input", op="input", path="", members=[], flops=0.0, counted=0.0, estimated=0.0,
-                              out=_nbytes(val), in_bytes=0.0, params=set())
-            continue
-        if n.op != "call_function":
-            continue
-        ins = inputs_of(n)
-        op = _op_name(n)
+            self._placeholder(n)
+        elif n.op == "call_function":
+            self._call(n)
+
+    def _placeholder(self, n: torch.fx.Node) -> None:
+        """A parameter (its bytes, carried to the first consumer) or a user input (kept as an input node)."""
         val = n.meta.get("val")
-        is_live = any(live.get(a, False) for a in ins)
-        in_params = set().union(*(params.get(a, set()) for a in ins)) if ins else set()
-        in_origins = set().union(*(origins.get(a, set()) for a in ins)) if ins else set()
+        if n.name in self.param_target:
+            tgt = self.param_target[n.name]
+            t = val if isinstance(val, torch.Tensor) else None
+            if t is not None:
+                per = self.dbytes if t.is_floating_point() else t.element_size()
+                self.param_bytes_of[tgt] = float(t.numel() * per)
+            self._set(n, set(), {tgt}, True)
+            return
+        self._set(n, {n}, set(), True)
+        self.kept.append(n)
+        self.rec[n] = dict(kind="input", op="input", path="", members=[], flops=0.0, counted=0.0, estimated=0.0,
+                           out=_nbytes(val), in_bytes=0.0, params=set())
+
+    def _does_no_work(self, n: torch.fx.Node, op: str, ins: list[torch.fx.Node], val: Any) -> bool:
+        """Views, reshapes, getitem, same-dtype casts, dropout with p = 0, ops without tensor output."""
         no_work = op in _NO_WORK or op == "getitem" or not _tensors(val)
         if op in _CASTS:
             src = [v for a in ins for v in _tensors(a.meta.get("val"))]
@@ -524,54 +549,73 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
             no_work = no_work or (bool(src) and bool(outs) and src[0].dtype == outs[0].dtype)
         if op in ("dropout", "native_dropout") and len(n.args) > 1 and n.args[1] == 0:
             no_work = True
+        return no_work
+
+    def _call(self, n: torch.fx.Node) -> None:
+        ins = _inputs_of(n)
+        op = _op_name(n)
+        val = n.meta.get("val")
+        is_live = any(self.live.get(a, False) for a in ins)
+        in_params = set().union(*(self.params.get(a, set()) for a in ins)) if ins else set()
+        in_origins = set().union(*(self.origins.get(a, set()) for a in ins)) if ins else set()
         # constants (no input, no parameter) and parameter-only updates whose result only leaves the
         # graph (BatchNorm's num_batches_tracked += 1) are not part of the step's dataflow
         if not is_live or (not in_origins and all(u.op == "output" for u in n.users)):
-            origins[n], params[n], live[n] = set(), set(), False
-            continue
-        if no_work and flops_of.get(n, 0.0) == 0.0:
-            origins[n], params[n], live[n] = in_origins, in_params, True
-            continue
-        kept.append(n)
-        origins[n], params[n], live[n] = {n}, set(), True
+            self._set(n, set(), set(), False)
+            return
+        if self._does_no_work(n, op, ins, val) and self.flops_of.get(n, 0.0) == 0.0:
+            self._set(n, in_origins, in_params, True)  # folded: its readers read its producers
+            return
+        self.kept.append(n)
+        self._set(n, {n}, set(), True)
+        in_vals = [t for a in ins if self.origins.get(a) for t in _tensors(a.meta.get("val"))]
+        kind = _kind(op, n, bool(in_params), in_vals)
+        counted = self.flops_of.get(n, 0.0)
+        estimated = 0.0 if counted > 0 else _estimate_flops(kind, in_vals, val)
+        self.rec[n] = dict(kind=kind, op=op, path=_module_path(n), leaf=_is_torch_leaf(n), mtype=_module_type(n),
+                           members=[n], flops=counted + estimated, counted=counted, estimated=estimated,
+                           out=_nbytes(val), params=self._claim(n, in_params), srcs=in_origins)
+
+    def _claim(self, n: torch.fx.Node, in_params: set[str]) -> set[str]:
+        """The parameters ``n`` reads that no earlier op has claimed (later users are recorded as shared)."""
         mine = set()
         for p in sorted(in_params):
-            if p in assigned:
-                shared.setdefault(p, [assigned[p].name]).append(n.name)
+            if p in self.assigned:
+                self.shared.setdefault(p, [self.assigned[p].name]).append(n.name)
             else:
-                assigned[p] = n
+                self.assigned[p] = n
                 mine.add(p)
-        in_vals = [t for a in ins if origins.get(a) for t in _tensors(a.meta.get("val"))]
-        kind = _kind(op, n, bool(in_params), in_vals)
-        counted = flops_of.get(n, 0.0)
-        estimated = 0.0 if counted > 0 else _estimate_flops(kind, in_vals, val)
-        rec[n] = dict(kind=kind, op=op, path=_module_path(n), leaf=_is_torch_leaf(n), mtype=_module_type(n),
-                      members=[n], flops=counted + estimated, counted=counted,
-                      estimated=estimated, out=_nbytes(val), params=mine, srcs=in_origins)
+        return mine
 
-    # Edge bytes: per (producer, consumer), the bytes of each argument the consumer receives from it.
-    index = {n: i for i, n in enumerate(kept)}
-    edge: dict[tuple[int, int], float] = {}
-    for n in kept:
-        if n.op == "placeholder":
-            continue
-        in_bytes = 0.0
-        for a in inputs_of(n):
-            if a.name in param_target:
+    def edge_bytes(self) -> dict[tuple[int, int], float]:
+        """Per (producer, consumer) index pair of ``kept``, the bytes of each argument the consumer receives
+        from it (at most the producer's output); also sets each record's ``in_bytes``."""
+        index = {n: i for i, n in enumerate(self.kept)}
+        edge: dict[tuple[int, int], float] = {}
+        for n in self.kept:
+            if n.op == "placeholder":
                 continue
-            b = _nbytes(a.meta.get("val"))
-            srcs = {a} if a in index else origins.get(a, set())
-            if srcs:
-                in_bytes += b
-            for s in srcs:
-                key = (index[s], index[n])
-                edge[key] = edge.get(key, 0.0) + min(b, rec[s]["out"])
-        rec[n]["in_bytes"] = in_bytes
-    for (s, _d), b in list(edge.items()):
-        edge[(s, _d)] = min(b, rec[kept[s]]["out"])
+            in_bytes = 0.0
+            for a in _inputs_of(n):
+                if a.name in self.param_target:
+                    continue
+                b = _nbytes(a.meta.get("val"))
+                srcs = {a} if a in index else self.origins.get(a, set())
+                if srcs:
+                    in_bytes += b
+                for s in srcs:
+                    key = (index[s], index[n])
+                    edge[key] = edge.get(key, 0.0) + min(b, self.rec[s]["out"])
+            self.rec[n]["in_bytes"] = in_bytes
+        for (s, d), b in list(edge.items()):
+            edge[(s, d)] = min(b, self.rec[self.kept[s]]["out"])
+        return edge
 
-    kept, edge = _fuse_leaf_modules(kept, rec, edge)
-    names = _node_names(kept, rec, user_inputs)
+
+def _op_graph(flow: _Dataflow, kept: list[torch.fx.Node], edge: dict[tuple[int, int], float], names: list[str],
+              failed: set, *, batch_size: int, dtype: str, name: str) -> OpGraph:
+    """The OpGraph of the kept (and fused) nodes: costs, layout capabilities and the trace's meta."""
+    rec, param_bytes_of = flow.rec, flow.param_bytes_of
     kinds = [rec[n]["kind"] for n in kept]
     pbytes = np.array([sum(param_bytes_of.get(p, 0.0) for p in rec[n]["params"]) for n in kept])
     out_bytes = np.array([rec[n]["out"] for n in kept])
@@ -579,7 +623,7 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
     caps = np.array([CAN_BATCH | CAN_REPLICATE if k == "input" else default_layout_caps(k, pb > 0)
                      for k, pb in zip(kinds, pbytes)], dtype=np.int64)
     es = sorted(edge)
-    unused = sorted(set(param_bytes_of) - set(assigned))
+    unused = sorted(set(param_bytes_of) - set(flow.assigned))
     meta = {
         "source": "torch.export",
         "torch": torch.__version__,
@@ -588,11 +632,11 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
         "param_count_bytes": float(sum(param_bytes_of.values())),
         "unused_params": unused,
         "unused_param_bytes": float(sum(param_bytes_of[p] for p in unused)),
-        "shared_params": {k: v for k, v in shared.items()},
+        "shared_params": {k: v for k, v in flow.shared.items()},
         "inputs": "kept as nodes of kind 'input' (zero FLOPs, out_bytes = input size)",
         "no_meta_kernel": sorted({_op_name(n) for n in failed}),
     }
-    graph = OpGraph(
+    return OpGraph(
         names=names, kinds=kinds, module_paths=[rec[n]["path"] for n in kept],
         fwd_flops=np.array([rec[n]["flops"] for n in kept]), param_bytes=pbytes, out_bytes=out_bytes,
         mem_bytes=in_bytes + out_bytes + pbytes, layout_caps=caps,
@@ -600,7 +644,6 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
         edge_src=[s for s, _ in es], edge_dst=[d for _, d in es], edge_bytes=[edge[k] for k in es],
         batch_size=batch_size, dtype=dtype, name=name, meta=meta,
     )
-    return graph, [list(rec[n]["members"]) for n in kept]
 
 
 def _node_names(kept: Sequence[torch.fx.Node], rec: dict, user_inputs: Sequence[str]) -> list[str]:

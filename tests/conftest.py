@@ -77,3 +77,54 @@ def mutate(doc, mutation):
     else:
         parent[path[-1]] = value
     return doc
+
+
+# ---------------------------------------------------------------------- simulator cases (shared strategy)
+_SIM_TOPOLOGIES: dict = {}
+
+
+def simulation_cases():
+    """A hypothesis strategy of random (graph, topology, plan): 2-14 ops with short-range edges, on one
+    of four preset topologies, each op single / batch-split / column- or row-split on 1, 2 or 4
+    devices, 1 or 2 microbatches, GPipe or 1F1B (tests/test_simulator*.py)."""
+    from hypothesis import strategies as st
+
+    from envs.graph import OpGraph
+    from envs.plan import Plan
+    from envs.presets import preset
+
+    if not _SIM_TOPOLOGIES:
+        _SIM_TOPOLOGIES.update({name: preset(name) for name in ("dgx-a100-80g", "dgx1-v100", "pcie-4gpu", "hetero")})
+    topos = _SIM_TOPOLOGIES
+
+    @st.composite
+    def cases(draw):
+        n = draw(st.integers(2, 14))
+        edges = sorted({(i, j) for i in range(n) for j in range(i + 1, n) if draw(st.booleans()) and j - i <= 3})
+        flops = draw(st.lists(st.floats(1e8, 1e12), min_size=n, max_size=n))
+        params = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
+        g = OpGraph(names=[f"n{i}" for i in range(n)], kinds=["linear" if p else "relu" for p in params],
+                    fwd_flops=flops, param_bytes=params, out_bytes=[1e6] * n,
+                    edge_src=[a for a, _ in edges], edge_dst=[b for _, b in edges], edge_bytes=[1e6] * len(edges),
+                    batch_size=8)
+        topo = topos[draw(st.sampled_from(sorted(topos)))]
+        nd = topo.num_devices
+        groups, layouts = [], []
+        for v in range(n):
+            lay = draw(st.sampled_from(["single", "single", "batch_split", "col_split", "row_split"]))
+            caps = int(g.layout_caps[v])
+            if lay == "col_split" and not caps & 2 or lay == "row_split" and not caps & 4:
+                lay = "single"
+            if lay == "single":
+                groups.append((draw(st.integers(0, nd - 1)),))
+            else:
+                size = draw(st.sampled_from([2, 4]))
+                start = draw(st.integers(0, nd - size))
+                groups.append(tuple(range(start, start + size)))
+            layouts.append(lay)
+        m = draw(st.sampled_from([1, 2]))
+        plan = Plan(groups=groups, layouts=layouts, microbatches=m,
+                    schedule=draw(st.sampled_from(["gpipe", "1f1b"])), global_batch=8)
+        return g, topo, plan
+
+    return cases()

@@ -16,7 +16,7 @@ pytest.importorskip("sb3_contrib")
 
 from sb3_contrib import MaskablePPO  # noqa: E402
 
-from agent.infer import Candidate, model_shape, place, rollout, run_baselines  # noqa: E402
+from agent.infer import model_shape, place, rollout  # noqa: E402
 from agent.policy import GraphPlacementPolicy  # noqa: E402
 from agent.train import TrainError, build_tasks, greedy_scores, load_config, make_vec_env, train  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_policy_is_padding_agnostic():
     """The same weights score observations of different paddings (nodes, devices, options)."""
     import torch as th
 
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
     from envs.tasks import default_tasks
 
     small = PlacementEnv(default_tasks("pcie-4gpu", names=["gpt-tiny"]), max_nodes=8, max_devices=4)
@@ -78,7 +78,7 @@ def test_static_embeddings_deduplicated_and_cached_exactly():
     invalidates it."""
     import torch as th
 
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
     from envs.tasks import default_tasks
 
     tasks = default_tasks("pcie-4gpu", names=["gpt-tiny", "mlp-chain"])
@@ -126,7 +126,7 @@ def test_static_embeddings_deduplicated_and_cached_exactly():
 def test_shipped_policy_loads_and_places():
     """The pretrained policy matches the current policy classes and places a built-in graph."""
     from agent.infer import PRETRAINED, load_policy
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
     from envs.tasks import default_tasks
 
     model = load_policy(PRETRAINED)
@@ -141,7 +141,7 @@ def test_imitation_clones_the_best_heuristic(tmp_path):
     """Behaviour cloning the replayed heuristic plans lowers the cross-entropy and makes the greedy
     policy score like the demonstrations; a config's imitation section runs it and writes a report."""
     from agent.imitation import behaviour_clone, best_heuristic_plans, collect
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     cfg = load_config(dict(TINY))
     tasks = build_tasks(cfg.raw["tasks"])
@@ -171,7 +171,7 @@ def test_self_imitation_makes_the_greedy_policy_reproduce_the_best_plan(tmp_path
     """Cloning the best plan so far (here: a random refine episode's plan) between updates makes the
     greedy refine episode end in that plan; a config's self_imitation section wires it into train."""
     from agent.self_imitation import SelfImitationCallback
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     refine = {**TINY, "env": {**TINY["env"], "mode": "refine", "refine_init": "single_device"},
               "ppo": {**TINY["ppo"], "gamma": 0.0}, "eval_tasks": None}
@@ -233,13 +233,13 @@ def test_save_load_identical_greedy_plans(run, tmp_path):
     model = MaskablePPO.load(run["res"].model_path, device="cpu")
     path = tmp_path / "m.zip"
     model.save(path)
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
 
     env = PlacementEnv(run["tasks"], **run["cfg"].env)
     plans = [rollout(model, env, t, deterministic=True)["plan"].to_dict() for t in run["tasks"]]
     code = (
         "import json,sys; from sb3_contrib import MaskablePPO; from agent.infer import rollout; "
-        "from agent.train import build_tasks, load_config; from envs.placement_env import PlacementEnv; "
+        "from agent.train import build_tasks, load_config; from envs.placement.env import PlacementEnv; "
         f"cfg=load_config({TINY!r}); tasks=build_tasks(cfg.raw['tasks']); env=PlacementEnv(tasks, **cfg.env); "
         f"m=MaskablePPO.load({str(path)!r}, device='cpu'); "
         "print(json.dumps([rollout(m, env, t, deterministic=True)['plan'].to_dict() for t in tasks]))"
@@ -271,6 +271,48 @@ def _scalar_tags(run_dir: Path) -> set:
     return _tb_tags(run_dir)[0]
 
 
+def test_train_extension_points(run, tmp_path):
+    """Extra callbacks run after the run's own, a deadline ends PPO whatever the step target, and
+    initial weights initialise the policy (a deadline already past: the saved model is those weights)."""
+    import time
+
+    import torch as th
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Count(BaseCallback):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def _on_step(self) -> bool:
+            self.calls += 1
+            return True
+
+    count = Count()
+    cfg = load_config({**TINY, "eval_tasks": None})
+    res = train(cfg, run_dir=tmp_path / "ext", total_steps=10**9, progress=False, log=None, callbacks=[count],
+                deadline=time.perf_counter(), init_weights=run["res"].model_path)
+    assert res.num_timesteps == cfg.n_envs and count.calls == 1
+    assert res.model is not None and res.config.name == cfg.name and len(res.tasks) == 2 and res.imitation is None
+    given = MaskablePPO.load(run["res"].model_path, device="cpu").policy.state_dict()
+    saved = MaskablePPO.load(res.model_path, device="cpu").policy.state_dict()
+    assert all(th.equal(given[k], saved[k]) for k in given)
+    with pytest.raises(TrainError, match="initial weights"):
+        train(cfg, run_dir=tmp_path / "ext", resume=True, init_weights=run["res"].model_path, log=None)
+    with pytest.raises(TrainError, match="initial weights not found"):
+        train(cfg, run_dir=tmp_path / "bad", init_weights=tmp_path / "missing.zip", progress=False, log=None)
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+
+def test_demo_without_the_configs_folder_is_a_clear_error(tmp_path, monkeypatch):
+    import agent.checkout
+    from agent.demo import run_demo
+
+    monkeypatch.setattr(agent.checkout, "CONFIGS_DIR", tmp_path / "no-checkout" / "experiments" / "configs")
+    with pytest.raises(TrainError, match="no folder .*pip install -e"):
+        run_demo(out=tmp_path / "out", echo=lambda _m: None)
+
+
 def test_tensorboard_has_custom_scalars_and_image(run):
     scalars, images = _tb_tags(run["run_dir"])
     for tag in ("rollout/oom_rate", "rollout/mean_best_speedup", "rollout/mean_speedup_vs_heuristic",
@@ -299,23 +341,43 @@ def test_resume_continues_step_counter(run):
     assert max(steps) >= 1536 and min(steps) <= 1024
 
 
-def test_place_never_worse_than_baselines(run):
+def _fresh_value(graph, topo, plan, objective: str = "step_time") -> float:
+    """The objective value of ``plan`` from a fresh simulation (no evaluator cache)."""
+    from agent.placers.common import objective_value
+    from envs.sim import simulate
+
+    return objective_value(simulate(graph, topo, plan, objective, timeline=False).step_time, plan, objective)
+
+
+def test_place_returns_the_best_candidate_as_simulated(run):
+    """``place`` keeps every candidate with its evaluation: the candidates are sorted best first, the
+    returned plan is the first one's, its predicted time is the best candidate's value and what a fresh
+    simulation of the returned plan gives, and its provenance names the winner and the best baseline."""
+    from envs.presets import resolve_topology
     from envs.tasks import load_builtin_graph
-    from envs.topology import resolve_topology
 
     model = MaskablePPO.load(run["res"].model_path, device="cpu")
     g, topo = load_builtin_graph("gpt-small"), resolve_topology("pcie-4gpu")
     res = place(g, topo, model=model, samples=2, seed=0)
-    base = run_baselines(g, topo)
-    best_base = min(base, key=Candidate.key)
-    assert res.best.key() <= best_base.key()
-    assert res.plan.provenance["winner"] == res.best.name
-    assert res.plan.provenance["best_baseline"] is not None
-    assert any(c.kind == "policy" for c in res.candidates)
+    keys = [c.key() for c in res.candidates]
+    assert keys == sorted(keys) and res.best is res.candidates[0]
+    assert {c.kind for c in res.candidates} == {"policy", "baseline"}
+    pr = res.plan.provenance
+    assert pr["winner"] == res.best.name and pr["winner_kind"] == res.best.kind
+    assert pr["predicted_step_time"] == res.best.value == _fresh_value(g, topo, res.plan)
+    assert res.plan.key() == res.best.plan.key()
+    base = res.best_baseline()
+    assert pr["best_baseline"] == base.name and pr["best_baseline_time"] == base.value
+    for c in res.candidates:  # every candidate's carried evaluation is the simulator's
+        assert c.value == _fresh_value(g, topo, c.plan), c.name
     res.plan.validate(g, topo)
     # a larger padding than the policy was trained with (more groups and devices) still works
-    big = place(g, resolve_topology("dgx-a100-80g"), model=model, samples=0, max_groups=16, baselines=False)
-    assert big.best.kind == "policy" and model_shape(model)["max_nodes"] == 8
+    big_topo = resolve_topology("dgx-a100-80g")
+    big = place(g, big_topo, model=model, samples=0, max_groups=16, baselines=False)
+    assert model_shape(model)["max_nodes"] == 8 and big_topo.num_devices > model_shape(model)["max_devices"]
+    assert [c.kind for c in big.candidates] == ["policy"] and big.best.name == "policy greedy"
+    big.plan.validate(g, big_topo)
+    assert big.plan.provenance["predicted_step_time"] == _fresh_value(g, big_topo, big.plan)
 
 
 def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
@@ -325,8 +387,8 @@ def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
     import yaml
 
     from agent.infer import load_policy
+    from envs.presets import resolve_topology
     from envs.tasks import load_builtin_graph
-    from envs.topology import resolve_topology
 
     d = tmp_path / "refine-run"
     d.mkdir()

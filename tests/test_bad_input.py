@@ -19,7 +19,7 @@ from envs.files import parse_text
 from envs.graph import OpGraph
 from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.presets import preset
-from envs.simulator import simulate
+from envs.sim import simulate
 from envs.topology import Topology
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

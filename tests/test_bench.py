@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
-from agent.cli import main
-from experiments.bench import SuiteError, load_suite, run_suite
+from agent.benchmark.runner import run_suite
+from agent.benchmark.suite import SuiteError, load_suite
 
 
 def test_smoke_suite_writes_csv_markdown_and_plots(tmp_path):
@@ -54,6 +54,21 @@ def test_bad_suite_is_an_error(tmp_path, text):
         load_suite(str(p))
 
 
-def test_cli_bad_suite_exits_2(tmp_path, capsys):
-    assert main(["bench", "--suite", "no-such-suite", "--out", str(tmp_path)]) == 2
-    assert "unknown suite" in capsys.readouterr().err
+def test_cli_bad_suite_exits_2(tmp_path, cli):
+    code, _, err = cli("bench", "--suite", "no-such-suite", "--out", tmp_path)
+    assert code == 2 and "unknown suite" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_suite_error_names_the_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("cases:\n  - {graph: gpt-small, topology: pcie-4gpu, objective: speed}\n")
+    with pytest.raises(SuiteError, match=r"cases\[0\]\.objective"):
+        load_suite(str(p))
+
+
+def test_suite_name_without_the_suites_folder_is_a_clear_error(tmp_path, monkeypatch):
+    import agent.benchmark.suite as suite_module
+
+    monkeypatch.setattr(suite_module, "SUITES_DIR", tmp_path / "not-a-checkout" / "experiments" / "suites")
+    with pytest.raises(SuiteError, match="no folder .*pip install -e"):
+        load_suite("default")

@@ -1,8 +1,6 @@
-"""Coarsening: sums preserved, DAG kept, module boundaries, co-location, plan expansion, speed."""
+"""Coarsening: sums preserved, DAG kept, module boundaries, co-location, plan expansion, 100k ops."""
 
 from __future__ import annotations
-
-import time
 
 import networkx as nx
 import numpy as np
@@ -258,12 +256,11 @@ def test_meta_per_op_lists_dropped_and_cpu_only_mapped():
     assert coarse.meta["coarsened"]["num_ops"] == 6
 
 
-def test_100k_ops_under_a_minute():
+def test_100k_ops_to_512_groups_without_cutting_a_layer():
+    """(Its speed, under a minute, is experiments/bench_coarsen.py's budget.)"""
     g = layered_graph(1000, 100)
     assert g.num_nodes >= 100_000
-    t0 = time.perf_counter()
     coarse, grouping = coarsen(g, 512, "auto")
-    assert time.perf_counter() - t0 < 60
     assert coarse.num_nodes <= 512
     per_layer = grouping.group_of[_layer_of(g) >= 0].reshape(1000, 100)  # layers are contiguous op ranges
     assert (per_layer == per_layer[:, :1]).all()  # no layer cut

@@ -225,7 +225,7 @@ def test_every_placer_puts_each_operator_on_one_device(path):
     """The paper's model has no redundant copies: an imported workload allows only ``single`` (caps 0),
     so no placer may replicate or split an operator, and the environment offers nothing else."""
     from agent.placers import PLACERS, run_placer
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
     from envs.tasks import Task
 
     graph, topo = import_workload(path)
@@ -237,8 +237,8 @@ def test_every_placer_puts_each_operator_on_one_device(path):
         assert set(plan.layouts) == {"single"}, name
     env = PlacementEnv([Task(graph, topo)], max_nodes=32, max_devices=topo.num_devices, objective="throughput")
     env.reset(seed=0)
-    opts = env._p.options
-    allowed = opts.allowed(env._p.graph.layout_caps)
+    opts = env.prepared.options
+    allowed = opts.allowed(env.prepared.graph.layout_caps)
     assert not allowed[:, [len(g) > 1 for g in opts.groups]].any()
 
 

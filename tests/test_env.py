@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
-import envs  # noqa: F401 - registers the environments
+import envs.placement  # noqa: F401 - registers the environments
 from envs.errors import EnvError, RlplaceError
-from envs.evaluator import EvalResult, Evaluator, SimulatorEvaluator
+from envs.evaluator import CachedSimulation, EvalResult, PlanEvaluator
 from envs.examples import transformer_graph
-from envs.features import decision_order
 from envs.graph import OpGraph, chain_graph
-from envs.placement_env import PlacementEnv, score
+from envs.placement.env import PlacementEnv
+from envs.placement.observation import DYNAMIC_KEYS, OBSERVATION, STATIC_KEYS, DynamicState
+from envs.placement.options import OptionTable, decision_order
+from envs.placement.reward import plan_reward
 from envs.plan import single_device_plan
 from envs.presets import preset
 from envs.tasks import (
@@ -163,7 +168,7 @@ def test_refine_mode_rewards_telescope(small_tasks):
     rng = np.random.default_rng(0)
     for _ in range(3):
         obs, info = env.reset()
-        start = env._score
+        start = env.current_plan_reward
         assert obs["node_state"][: info["num_groups"], 0].all()  # a complete plan from the start
         total, steps, info = rollout_from(env, obs, rng)
         assert steps == 2 * info["num_groups"]
@@ -184,7 +189,7 @@ def rollout_from(env, obs, rng):
 
 def test_refine_mode_reports_the_best_plan_it_visited(small_tasks):
     env = PlacementEnv(small_tasks, mode="refine", seed=1)
-    ev = SimulatorEvaluator()
+    ev = CachedSimulation()
     rng = np.random.default_rng(1)
     for _ in range(3):
         obs, _ = env.reset()
@@ -201,11 +206,13 @@ def test_refine_mode_reports_the_best_plan_it_visited(small_tasks):
 def test_refine_start_is_the_best_heuristic(small_tasks):
     env = PlacementEnv(small_tasks[:1], mode="refine")
     env.reset(seed=0)
-    best = env._score
+    best = env.current_plan_reward
+    assert best == env.prepared.start.reward
     for name in ("single_device", "data_parallel", "megatron"):
         e = PlacementEnv(small_tasks[:1], mode="refine", refine_init=name)
         e.reset(seed=0)
-        assert e._score <= best + 1e-12
+        assert e.current_plan_reward <= best + 1e-12
+        assert e.prepared.start.name == name
 
 
 def test_critical_path_order_is_topological():
@@ -235,7 +242,7 @@ def test_memory_mask_hides_devices_that_certainly_overflow():
     mask = env.action_masks()
     assert not mask[0] and mask[1]  # 90 GB on gpu0 cannot fit; gpu1 can
     # a 4-way split of 30 GB fits next to the 60 GB on gpu0
-    opts = env._p.options
+    opts = env.prepared.options
     four = [o for o, g_ in enumerate(opts.groups) if g_ == (0, 1, 2, 3) and opts.state_div[o] == 4]
     assert four and all(mask[o] for o in four)
 
@@ -258,16 +265,16 @@ def test_colocated_nodes_follow_their_class():
 
 
 # ---------------------------------------------------------------------- rewards and evaluator
-def test_score_and_oom_penalty():
+def test_plan_reward_and_oom_penalty():
     cap = np.array([10.0, 10.0])
     ok = EvalResult(step_time=0.5, peak_memory=np.array([5.0, 5.0]), memory_capacity=cap, oom=False)
-    assert np.isclose(score(ok, 1.0), np.log(2.0))
+    assert np.isclose(plan_reward(ok, 1.0), np.log(2.0))
     small = EvalResult(step_time=0.5, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
     big = EvalResult(step_time=0.5, peak_memory=np.array([40.0, 5.0]), memory_capacity=cap, oom=True)
-    assert np.isclose(score(small, 1.0), -1 - np.log(1.1))
-    assert score(big, 1.0) < score(small, 1.0) < -1
+    assert np.isclose(plan_reward(small, 1.0), -1 - np.log(1.1))
+    assert plan_reward(big, 1.0) < plan_reward(small, 1.0) < -1
     slow = EvalResult(step_time=4.0, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
-    assert score(slow, 1.0) < score(EvalResult(4.0, np.array([5.0, 5.0]), cap, False), 1.0)
+    assert plan_reward(slow, 1.0) < plan_reward(EvalResult(4.0, np.array([5.0, 5.0]), cap, False), 1.0)
 
 
 def test_oom_plan_is_flagged_and_penalised():
@@ -284,9 +291,9 @@ def test_oom_plan_is_flagged_and_penalised():
     assert info["peak_memory"][0] > info["memory_capacity"][0]
 
 
-def test_simulator_evaluator_caches_by_plan_key():
-    ev = SimulatorEvaluator()
-    assert isinstance(ev, Evaluator)
+def test_cached_simulation_caches_by_plan_key():
+    ev = CachedSimulation()
+    assert isinstance(ev, PlanEvaluator)
     g, topo = load_builtin_graph("gpt-tiny"), preset("dgx-a100-80g")
     r1 = ev.evaluate(g, topo, single_device_plan(g, topo))
     r2 = ev.evaluate(g, topo, single_device_plan(g, topo))
@@ -371,18 +378,40 @@ def test_subproc_vec_env():
         venv.close()
 
 
-def test_maskable_ppo_smoke():
+def test_graph_policy_trains_on_a_tiny_task():
+    """A few hundred PPO steps of rlplace's own GraphPlacementPolicy on one tiny task: the run reaches its
+    step count with finite losses, every parameter tensor moved (each module is reached by the loss and
+    updated by the optimiser) and stays finite, and the greedy plan is valid, with the reward and time
+    that a fresh simulation of it gives."""
+    import torch as th
     from sb3_contrib import MaskablePPO
 
-    model = MaskablePPO("MultiInputPolicy", _make_small(), n_steps=64, batch_size=32, n_epochs=1, seed=0,
-                        device="cpu", policy_kwargs={"net_arch": [32]})
-    model.learn(128)
+    from agent.infer import rollout
+    from agent.policy import GraphPlacementPolicy
+
+    task = default_tasks("pcie-4gpu", names=["gpt-tiny"])[0]
+    env = PlacementEnv([task], max_nodes=8, max_devices=4, seed=0)
+    model = MaskablePPO(GraphPlacementPolicy, env, n_steps=64, batch_size=32, n_epochs=2, seed=0, device="cpu",
+                        policy_kwargs={"hidden": 16, "rounds": 1, "device_rounds": 1, "prior": (-1.0, -4.0, 3.0)})
+    before = {k: v.detach().clone() for k, v in model.policy.named_parameters()}
+    model.learn(256)
+    assert model.num_timesteps == 256
+    logged = model.logger.name_to_value  # the last update's losses (recorded after the last log dump)
+    for key in ("train/loss", "train/value_loss", "train/policy_gradient_loss", "train/entropy_loss"):
+        assert np.isfinite(logged[key]), key
+    after = dict(model.policy.named_parameters())
+    assert set(after) == set(before)
+    assert [k for k, v in after.items() if th.equal(v, before[k])] == []
+    assert all(th.isfinite(v).all() for v in after.values())
+    info = rollout(model, env, task, deterministic=True)
+    info["plan"].validate(task.graph, task.topology)
+    res = CachedSimulation().evaluate(env.graph, task.topology, info["group_plan"])
+    assert np.isclose(res.step_time, info["step_time"])
+    assert np.isclose(plan_reward(res, env.reference()["time"]), info["score"])
 
 
 # ---------------------------------------------------------------------- option table and multi-host
 def test_option_table_layouts_and_mixed_parallelism():
-    from envs.features import OptionTable
-
     topo = preset("a100-80g-cluster:nodes=2")
     opts = OptionTable.build(topo)
     look = opts.lookup()
@@ -423,53 +452,87 @@ def test_fine_evaluation_of_coarsened_tasks():
     env = PlacementEnv([Task(g, preset("dgx-a100-80g"))], max_nodes=24, eval_graph="fine")
     _, _, info = rollout(env, np.random.default_rng(0))
     assert info["num_groups"] <= 24
-    from envs.simulator import simulate
+    from envs.sim import simulate
 
     rep = simulate(g, preset("dgx-a100-80g"), info["plan"], timeline=False)
     assert np.isclose(rep.step_time, info["step_time"])
 
 
-# ---------------------------------------------------------------------- demonstrations
-def test_demo_action_replays_expressible_plans_exactly():
-    """Replaying a plan the option table can express gives that plan back (data parallel also on a
-    coarsened graph; Megatron's per-op layouts only without coarsening, a group takes its majority)."""
-    from envs.plan import data_parallel_plan, megatron_plan
-
-    tasks = default_tasks("dgx-a100-80g", names=["gpt-small"])
-    task = tasks[0]
-    g = task.graph
-    fine, coarse = PlacementEnv(tasks, max_nodes=g.num_nodes), PlacementEnv(tasks, max_nodes=16)
-    for env, plan in ((coarse, data_parallel_plan(g, task.topology, global_batch=task.global_batch)),
-                      (fine, data_parallel_plan(g, task.topology, global_batch=task.global_batch)),
-                      (fine, megatron_plan(g, task.topology, tp=8, pp=1, dp=1, global_batch=task.global_batch))):
-        env.reset(options={"task": task})
+# ---------------------------------------------------------------------- the observation declaration
+def test_static_and_dynamic_keys_are_declared_once(small_tasks):
+    """The observation space, the static features and the dynamic state all follow OBSERVATION: static
+    and dynamic keys partition the space, static arrays never change during an episode, and every
+    array has its declared padded shape."""
+    assert not set(STATIC_KEYS) & set(DYNAMIC_KEYS)
+    assert tuple(OBSERVATION) == STATIC_KEYS + DYNAMIC_KEYS
+    env = PlacementEnv(small_tasks, mode="place", seed=0)
+    assert set(env.observation_space.spaces) == set(OBSERVATION)
+    for task in small_tasks:
+        obs, _ = env.reset(options={"task": task})
+        assert tuple(env.prepared.static) == STATIC_KEYS
+        first = obs
         done = False
         while not done:
-            a = env.demo_action(plan)
-            assert env.action_masks()[a]
-            _, _, done, _, info = env.step(a)
-        got = info["plan"]
-        assert got.microbatches == plan.microbatches
-        assert [tuple(x) for x in got.groups] == [tuple(x) for x in plan.groups]
-        assert got.layouts == plan.layouts and (got.dp == plan.dp).all()
+            obs, _, done, _, _ = env.step(int(np.flatnonzero(env.action_masks())[0]))
+            for k in STATIC_KEYS:
+                np.testing.assert_array_equal(obs[k], first[k], err_msg=k)
+            assert all(obs[k].shape == env.observation_space[k].shape for k in OBSERVATION)
+    dyn = DynamicState(8, 4, 36, len(env.microbatch_choices))
+    assert tuple(dyn.arrays()) == DYNAMIC_KEYS
 
 
-def test_demo_action_falls_back_to_the_closest_allowed_option():
-    """A plan outside the option table (a 3-device group) is mapped to allowed options; bad sizes raise."""
-    from envs.plan import Plan
+def test_shipped_policy_was_trained_on_this_observation_space():
+    """The observation space pickled in the shipped policy equals the environment's at its padding."""
+    from agent.infer import load_policy, model_shape
 
-    tasks = default_tasks("dgx-a100-80g", names=["mlp-chain"])
-    env = PlacementEnv(tasks)
-    g = tasks[0].graph
-    odd = Plan(groups=[(0, 1, 2)] * g.num_nodes, layouts=["batch_split"] * g.num_nodes, dp=[3] * g.num_nodes,
-               microbatches=1, global_batch=tasks[0].global_batch)
-    env.reset(options={"task": tasks[0]})
-    done = False
-    while not done:
-        a = env.demo_action(odd)
-        assert env.action_masks()[a]
-        _, _, done, _, info = env.step(a)
-    info["plan"].validate(g, tasks[0].topology)
-    env.reset(options={"task": tasks[0]})
-    with pytest.raises(EnvError):
-        env.demo_action(Plan(groups=[(0,)] * 3, layouts=["single"] * 3, microbatches=1, global_batch=1))
+    model = load_policy()
+    env = PlacementEnv(default_tasks(names=["gpt-tiny"]), **model_shape(model))
+    assert model.observation_space == env.observation_space
+    assert model.action_space == env.action_space
+
+
+def test_trim_padding_follows_the_declared_axes(small_tasks):
+    """The rollouts drop padded node / edge / device slots (never option slots) and, for the per-step
+    batch, keep exactly the dynamic keys."""
+    from agent.infer import trim_padding
+
+    env = PlacementEnv(small_tasks[:1], max_nodes=64, max_devices=16)
+    obs, info = env.reset(seed=0)
+    n, m, d = info["num_groups"], env.graph.num_edges, env.task.topology.num_devices
+    full = trim_padding(obs)
+    assert set(full) == set(OBSERVATION)
+    assert full["node_features"].shape[0] == n and full["node_devices"].shape == (n, d)
+    assert full["edge_index"].shape == (2, m) and full["device_bandwidth"].shape == (d, d)
+    assert full["option_devices"].shape == (env.max_options, d) and full["action_mask"].shape == (env.max_options,)
+    assert tuple(trim_padding(obs, dynamic_only=True)) == DYNAMIC_KEYS
+
+
+# ---------------------------------------------------------------------- imports and registration
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def test_world_model_imports_without_gymnasium():
+    """Errors and plain data types (and the presets and tasks) import without gymnasium."""
+    r = _python("import sys\n"
+                "import envs.errors, envs.graph, envs.plan, envs.topology, envs.files, envs.schema, envs.presets, "
+                "envs.tasks\n"
+                "assert 'gymnasium' not in sys.modules, sorted(m for m in sys.modules if m.startswith('gym'))\n")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("imports, env_id", [
+    ("import envs.placement; import gymnasium as gym", "rlplace/Placement-v0"),
+    ("import gymnasium as gym; import envs.placement", "rlplace/Placement-v0"),
+    ("import gymnasium as gym", "envs.placement:rlplace/Placement-v0"),  # a fresh (e.g. spawned) process
+])
+def test_gym_make_in_a_fresh_process(imports, env_id):
+    r = _python(f"{imports}\n"
+                "from envs.tasks import default_tasks\n"
+                f"env = gym.make({env_id!r}, tasks=default_tasks(names=['gpt-tiny']))\n"
+                "obs, info = env.reset(seed=0)\n"
+                "assert env.observation_space.contains(obs) and info['task_id'] == 'gpt-tiny@dgx-a100-80g'\n")
+    assert r.returncode == 0, r.stderr

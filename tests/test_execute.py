@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from agent.cli import main
 from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.presets import cpu_local
-from profilers.exec_plan import ExecutionError, analyze
-from profilers.execute import FAIL_ENV, WorkerError, execute_plan
+from profilers.execute import execute_plan
+from profilers.execution_layout import ExecutionError, WorkerError, analyze
+from profilers.rank_program import FAIL_ENV
 from profilers.spec import build_model, graph_from_spec
 
 MLP = "mlp:layers=3,hidden=32,in_dim=16,out=4,batch=8"
@@ -116,34 +116,25 @@ def test_hung_worker_hits_the_deadline(topo, monkeypatch):
                      collective_timeout_s=60)
 
 
-def _cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_cli_bad_input_exits_2(capsys, tmp_path, topo):
-    code, _, err = _cli(capsys, "run", str(tmp_path / "missing.json"), "--model", MLP)
+def test_cli_bad_input_exits_2(cli, tmp_path, topo):
+    code, _, err = cli("run", str(tmp_path / "missing.json"), "--model", MLP)
     assert code == 2 and "not found" in err
     plan = tmp_path / "plan.json"
     single_device_plan(graph_from_spec("mlp:layers=2,hidden=32,in_dim=16,out=4,batch=8"), topo).save(plan)
-    code, _, err = _cli(capsys, "run", str(plan), "--model", MLP)
+    code, _, err = cli("run", str(plan), "--model", MLP)
     assert code == 2 and "different model" in err
-    code, _, err = _cli(capsys, "run", str(plan), "--model", "nosuchfamily:x=1")
+    code, _, err = cli("run", str(plan), "--model", "nosuchfamily:x=1")
     assert code == 2 and "unknown model family" in err
 
 
-def test_cli_runs_single_device_plan_json(capsys, tmp_path, topo, monkeypatch):
+def test_cli_runs_single_device_plan_json(cli, tmp_path, topo, monkeypatch):
     plan = tmp_path / "plan.json"
     single_device_plan(graph_from_spec(MLP), topo).save(plan)
-    code, out, _ = _cli(capsys, "run", str(plan), "--model", MLP, "--steps", "2", "--warmup", "0", "--json")
+    code, out, _ = cli("run", str(plan), "--model", MLP, "--steps", "2", "--warmup", "0", "--json")
     assert code == 0, out
     rep = json.loads(out)
     assert rep["world_size"] == 1 and rep["loss_matches"] is True and len(rep["step_times"]) == 2
     assert Plan.load(plan).num_nodes == graph_from_spec(MLP).num_nodes
     monkeypatch.setenv(FAIL_ENV, "0")  # a failing worker: exit 1 with the worker's error
-    code, _, err = _cli(capsys, "run", str(plan), "--model", MLP, "--steps", "1")
+    code, _, err = cli("run", str(plan), "--model", MLP, "--steps", "1")
     assert code == 1 and "rank 0 failed" in err and "injected failure" in err

@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from agent.lower_bound import lower_bound
 from agent.placers import run_placer
-from agent.placers.common import Budget, check_restrictions, score
-from agent.placers.search import _Space, random_plan
+from agent.placers.common import Budget, check_restrictions, objective_value
+from agent.placers.search import PlanSpace, random_plan
 from envs.errors import PlanError
 from envs.examples import transformer_graph
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
 from envs.presets import preset
-from envs.simulator import simulate
+from envs.sim import simulate
 from envs.topology import Device, Link, Topology
 
 
@@ -53,7 +53,7 @@ def graphs(draw) -> OpGraph:
 def test_lower_bound_never_exceeds_the_simulator(g, topo_kind, seed, objective):
     topo = small_topology(topo_kind)
     lb = lower_bound(g, topo, objective)
-    space = _Space(g, topo)
+    space = PlanSpace(g, topo)
     rng = np.random.default_rng(seed)
     checked = 0
     for _ in range(12):
@@ -64,7 +64,7 @@ def test_lower_bound_never_exceeds_the_simulator(g, topo_kind, seed, objective):
         except PlanError:
             continue
         rep = simulate(g, topo, plan, objective, timeline=False)
-        value = score(rep.step_time, plan, objective)
+        value = objective_value(rep.step_time, plan, objective)
         assert lb["lower_bound_any"] <= value * (1 + 1e-9)
         if not rep.is_oom:
             assert lb["lower_bound"] <= value * (1 + 1e-9)

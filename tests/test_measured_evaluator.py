@@ -7,13 +7,13 @@ import time
 import numpy as np
 import pytest
 
-from envs.evaluator import Evaluator
+from envs.evaluator import PlanEvaluator
 from envs.plan import megatron_plan, single_device_plan
 from envs.presets import cpu_local
-from profilers.exec_plan import WorkerError
-from profilers.execute import FAIL_ENV
+from profilers.execution_layout import WorkerError
 from profilers.fidelity_fit import CalibParams, Sample, apply_params, fit, metrics, params_of, predict
 from profilers.measured_evaluator import MeasuredEvaluator
+from profilers.rank_program import FAIL_ENV
 from profilers.spec import graph_from_spec
 
 MLP = "mlp:layers=2,hidden=16,in_dim=8,out=4,batch=8"
@@ -31,7 +31,7 @@ def graph():
 
 def test_measured_evaluation_is_cached_and_refusals_are_flagged(graph, topo):
     with MeasuredEvaluator(MLP, steps=2, warmup=1, workers=2, timeout=60) as ev:
-        assert isinstance(ev, Evaluator)
+        assert isinstance(ev, PlanEvaluator)
         plan = megatron_plan(graph, topo, dp=2, dtype="fp32")
         first = ev.evaluate(graph, topo, plan)
         assert ev.measurements == 1 and first.extra["measured"] and not first.oom
@@ -71,7 +71,7 @@ def test_worker_crash_and_hang_are_clear_errors_then_the_pool_restarts(graph, to
 def test_tiny_training_run_with_measured_rewards(graph, topo):
     from sb3_contrib import MaskablePPO
 
-    from envs.placement_env import PlacementEnv
+    from envs.placement.env import PlacementEnv
     from envs.tasks import Task
 
     t0 = time.monotonic()

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from agent.placers import PLACERS, PlacerError, run_placer
-from agent.placers.common import Budget, score
+from agent.placers.common import Budget, objective_value
 from envs.examples import transformer_graph
 from envs.graph import OpGraph, chain_graph
 from envs.presets import preset
-from envs.simulator import simulate
+from envs.sim import simulate
 from envs.topology import Device, Link, Topology
 
 SMALL = {"seed": 0, "budget": Budget(evaluations=12, seconds=10.0)}
@@ -49,7 +49,7 @@ def test_every_placer_returns_a_valid_plan(name, tiny_gpt):
         assert PROVENANCE <= set(plan.provenance)
         assert plan.provenance["placer"] == name
         rep = simulate(tiny_gpt, topo, plan, obj, timeline=False)
-        assert plan.provenance["predicted_step_time"] == pytest.approx(score(rep.step_time, plan, obj))
+        assert plan.provenance["predicted_step_time"] == pytest.approx(objective_value(rep.step_time, plan, obj))
 
 
 @pytest.mark.parametrize("name", list(PLACERS))

@@ -2,14 +2,14 @@
 
 import numpy as np
 import pytest
+from conftest import simulation_cases
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from envs.examples import transformer_graph
 from envs.graph import OpGraph, chain_graph
 from envs.plan import Plan, data_parallel_plan, megatron_plan, single_device_plan
 from envs.presets import preset
-from envs.simulator import simulate
+from envs.sim import simulate
 
 A100 = 312e12 * 0.7  # achievable bf16 FLOP/s of the preset
 LAUNCH = 5e-6
@@ -150,42 +150,8 @@ def test_throughput_is_busiest_device_per_microbatch(dgx):
 
 
 # ---------------------------------------------------------------------- properties
-TOPOS = {name: preset(name) for name in ("dgx-a100-80g", "dgx1-v100", "pcie-4gpu", "hetero")}
-
-
-@st.composite
-def cases(draw):
-    n = draw(st.integers(2, 14))
-    edges = sorted({(i, j) for i in range(n) for j in range(i + 1, n) if draw(st.booleans()) and j - i <= 3})
-    flops = draw(st.lists(st.floats(1e8, 1e12), min_size=n, max_size=n))
-    params = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
-    g = OpGraph(names=[f"n{i}" for i in range(n)], kinds=["linear" if p else "relu" for p in params],
-                fwd_flops=flops, param_bytes=params, out_bytes=[1e6] * n,
-                edge_src=[a for a, _ in edges], edge_dst=[b for _, b in edges], edge_bytes=[1e6] * len(edges),
-                batch_size=8)
-    topo = TOPOS[draw(st.sampled_from(sorted(TOPOS)))]
-    nd = topo.num_devices
-    groups, layouts = [], []
-    for v in range(n):
-        lay = draw(st.sampled_from(["single", "single", "batch_split", "col_split", "row_split"]))
-        caps = int(g.layout_caps[v])
-        if lay == "col_split" and not caps & 2 or lay == "row_split" and not caps & 4:
-            lay = "single"
-        if lay == "single":
-            groups.append((draw(st.integers(0, nd - 1)),))
-        else:
-            size = draw(st.sampled_from([2, 4]))
-            start = draw(st.integers(0, nd - size))
-            groups.append(tuple(range(start, start + size)))
-        layouts.append(lay)
-    m = draw(st.sampled_from([1, 2]))
-    plan = Plan(groups=groups, layouts=layouts, microbatches=m, schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
-                global_batch=8)
-    return g, topo, plan
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
+@given(simulation_cases())
 def test_properties(case):
     g, topo, plan = case
     r = simulate(g, topo, plan)
@@ -206,3 +172,35 @@ def test_properties(case):
     # deterministic
     again = simulate(g, topo, plan)
     assert again.step_time == r.step_time and (again.peak_memory == r.peak_memory).all()
+
+
+# ---------------------------------------------------------------------- structure
+SIM_LAYERS = {"cost": 0, "schedule": 0, "throughput": 1, "reference": 1, "kernels": 1, "compiled": 2, "stages": 3,
+              "__init__": 4}
+SIM_MAY_IMPORT = {"__future__", "collections", "dataclasses", "heapq", "typing", "numpy", "numba", "envs.graph",
+                  "envs.plan", "envs.topology", "envs.errors"}
+
+
+def test_simulator_package_imports_only_downward():
+    """envs/sim: every module imports only modules below it (and the world model, numpy, numba)."""
+    import ast
+    from pathlib import Path
+
+    import envs.sim
+
+    root = Path(envs.sim.__file__).parent
+    assert {p.stem for p in root.glob("*.py")} == set(SIM_LAYERS)
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [f"{node.module}.{a.name}" if node.module == "envs.sim" else node.module for a in node.names]
+            else:
+                continue
+            for name in targets:
+                if name.startswith("envs.sim."):
+                    below = name.split(".")[2]
+                    assert SIM_LAYERS[below] < SIM_LAYERS[path.stem], f"{path.name} imports {name}"
+                else:
+                    assert name in SIM_MAY_IMPORT or name.split(".")[0] in SIM_MAY_IMPORT, f"{path.name} imports {name}"

@@ -1,20 +1,21 @@
-"""The compiled evaluator (envs/fast_sim.py) against the reference task-graph builder, delta evaluation
-against full evaluation, and the stage-level fast path (envs/fast_stage.py) against the full graph."""
-
-import time
+"""The compiled builder (envs/sim/compiled.py) against the reference task-graph builder
+(envs/sim/reference.py), delta evaluation against full evaluation, and the stage-level fast path
+(envs/sim/stages.py) against the full graph. (The 1T-parameter run's wall time is measured by
+``python -m experiments.bench_simulator``.)"""
 
 import numpy as np
 import pytest
+from conftest import simulation_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_simulator import cases  # tests/ is on sys.path (rootdir-relative test modules)
 
+import envs.sim
 from envs.errors import PlanError
 from envs.examples import transformer_graph
-from envs.fast_sim import Simulator, simulator_for
 from envs.plan import Plan, megatron_plan
 from envs.presets import preset
-from envs.simulator import _schedule_reference, simulate
+from envs.sim import CompiledSimulator, compiled_simulator, simulate
+from envs.sim.reference import simulate_reference
 
 
 def _same(a, b):
@@ -34,14 +35,14 @@ def _same(a, b):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(), st.sampled_from(["step_time", "latency"]), st.integers(0, 2**31 - 1))
+@given(simulation_cases(), st.sampled_from(["step_time", "latency"]), st.integers(0, 2**31 - 1))
 def test_compiled_builder_equals_reference(case, objective, seed):
     g, topo, plan = case
     rng = np.random.default_rng(seed)
     if rng.random() < 0.3:
         plan = plan.copy(recompute=rng.random(g.num_nodes) < 0.5)
-    ref = _schedule_reference(g, topo, plan, objective, True)
-    fast = Simulator(g, topo).evaluate(plan, objective, timeline=True)
+    ref = simulate_reference(g, topo, plan, objective)
+    fast = CompiledSimulator(g, topo).evaluate(plan, objective, timeline=True)
     _same(ref, fast)
     assert fast.timeline() == ref.timeline()
 
@@ -53,7 +54,7 @@ def test_compiled_builder_equals_reference_megatron(tp, pp, dp, schedule, rc):
     g = transformer_graph(layers=4, hidden=512, heads=8, seq=128, vocab=1000, batch=8)
     plan = megatron_plan(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=8, schedule=schedule,
                     recompute="full" if rc else "none")
-    _same(_schedule_reference(g, topo, plan, "step_time", True), simulate(g, topo, plan))
+    _same(simulate_reference(g, topo, plan), simulate(g, topo, plan))
 
 
 def _random_move(rng, g, topo, plan, v):
@@ -70,11 +71,11 @@ def _random_move(rng, g, topo, plan, v):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(), st.integers(0, 2**31 - 1))
+@given(simulation_cases(), st.integers(0, 2**31 - 1))
 def test_delta_equals_full_simulation(case, seed):
     g, topo, plan = case
     rng = np.random.default_rng(seed)
-    sim = Simulator(g, topo)
+    sim = CompiledSimulator(g, topo)
     rep = sim.evaluate(plan)
     pa, cur = rep.plan_arrays, plan
     for _ in range(4):
@@ -86,7 +87,7 @@ def test_delta_equals_full_simulation(case, seed):
         dp = cur.dp.copy()
         dp[v] = len(grp) if lay == "batch_split" else 1
         cur = cur.copy(groups=groups, layouts=layouts, dp=dp)
-        _same(_schedule_reference(g, topo, cur, "step_time", True), d)
+        _same(simulate_reference(g, topo, cur), d)
         full = simulate(g, topo, cur, validate=False)
         assert full.step_time == d.step_time
         pa = d.plan_arrays
@@ -100,7 +101,7 @@ def test_delta_on_transformer_random_placement():
     g = transformer_graph(layers=6, hidden=512, heads=8, seq=128, vocab=1000, batch=8)
     rng = np.random.default_rng(1)
     plan = Plan(groups=[(int(d),) for d in rng.integers(0, 8, g.num_nodes)], layouts=["single"] * g.num_nodes)
-    sim = simulator_for(g, topo)
+    sim = compiled_simulator(g, topo)
     sim.evaluate(plan)
     for _ in range(10):
         v, d = int(rng.integers(g.num_nodes)), int(rng.integers(8))
@@ -119,7 +120,7 @@ def test_simulator_cache_notices_changed_graph():
     g.fwd_flops *= 2  # edited in place: the cached evaluator must not be reused
     b = simulate(g, topo, plan).step_time
     assert b > a
-    assert b == _schedule_reference(g, topo, plan, "step_time", False).step_time
+    assert b == simulate_reference(g, topo, plan, timeline=False).step_time
 
 
 # ---------------------------------------------------------------------- stage-level fast path
@@ -157,29 +158,23 @@ def test_fast_path_refuses_plans_that_are_not_a_stage_chain():
 
 
 def test_fast_path_is_chosen_automatically_for_big_task_graphs(monkeypatch):
-    import envs.fast_sim as fs
-
     topo = preset("dgx-a100-80g")
     g = transformer_graph(layers=4, hidden=256, heads=4, seq=64, vocab=100, batch=8)
     plan = megatron_plan(g, topo, pp=4, microbatch_size=1, global_batch=8)
     assert simulate(g, topo, plan).fast_path == "arrays"
-    monkeypatch.setattr(fs, "FAST_PATH_TASKS", 10)
+    monkeypatch.setattr(envs.sim, "FAST_PATH_TASKS", 10)
     assert simulate(g, topo, plan).fast_path == "stages"
     assert simulate(g, topo, plan, fast_path=False).fast_path == "arrays"
 
 
-def test_trillion_parameter_gpt_on_512_gpus_within_10_s():
+def test_trillion_parameter_gpt_on_512_gpus_takes_the_stage_model():
     g = transformer_graph(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, batch=512)
     topo = preset("a100-80g-cluster:nodes=64")
     plan = megatron_plan(g, topo, tp=8, pp=64, dp=1, microbatch_size=1, global_batch=512)
     params = g.param_bytes.sum() / 2
     assert 0.95e12 < params < 1.05e12
-    small = transformer_graph(layers=2, hidden=256, heads=8, seq=64, vocab=100, batch=4)
-    simulate(small, topo, megatron_plan(small, topo, tp=8, pp=2, microbatch_size=1, global_batch=4), fast_path=True)
-    t0 = time.perf_counter()  # (the line above compiled the numba kernels, if this test runs first)
     rep = simulate(g, topo, plan, timeline=False, validate=False)
-    dt = time.perf_counter() - t0
-    assert rep.fast_path == "stages"
-    assert dt <= 10.0
+    assert rep.fast_path == "stages"  # ~2M operator-level tasks: automatically the stage model
+    assert rep.num_tasks == 4 * 64 * 512 + 2 * 63 * 512 + 64  # stage-level tasks: blocks, transfers, tails
     mfu = 6 * params * 512 * 2048 / (rep.step_time * 512 * 312e12)
     assert 0.3 < mfu < 0.7  # measured ~50%; Megatron-LM reports 52% for 1T on 3072 A100s (SC'21)

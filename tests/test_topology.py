@@ -1,8 +1,8 @@
 import pytest
 
 from envs.errors import TopologyError
-from envs.presets import PRESETS, preset
-from envs.topology import Topology, resolve_topology
+from envs.presets import PRESETS, preset, resolve_topology
+from envs.topology import Topology
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

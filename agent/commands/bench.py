@@ -9,7 +9,7 @@ from agent.placers.common import Budget
 
 
 def bench_cmd(
-    suite: str = typer.Option("default", "--suite", "-s", help="suite name (experiments/suites/NAME.yaml) or yaml path"),
+    suite: str = typer.Option("default", "--suite", "-s", help="suite name (the checkout's experiments/suites/NAME.yaml) or yaml path"),
     policy: str = typer.Option(None, "--policy", help="checkpoint of a trained policy to include (needs agent.infer)"),
     budget_seconds: float = typer.Option(None, "--budget-seconds", min=0.001, max=86_400.0, help="wall-clock budget per search placer and case "
                                          "(replaces the suite's budget; results then depend on machine speed)"),
@@ -19,8 +19,9 @@ def bench_cmd(
     no_gantt: bool = typer.Option(False, "--no-gantt", help="skip the Gantt charts of the best plans"),
 ) -> None:
     """Benchmark the placers on a suite of cases against lower bounds."""
+    from agent.benchmark.runner import run_suite
+    from agent.benchmark.suite import load_suite
     from envs.files import check_output_dir
-    from experiments.bench import load_suite, run_suite
 
     check_output_dir(out, "output folder")
     s = load_suite(suite)

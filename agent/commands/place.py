@@ -6,32 +6,10 @@ import math
 
 import typer
 from rich.console import Console
-from rich.table import Table
+
+from agent.report import format_time, print_comparison, winner_timeline
 
 MAX_SEARCH_SECONDS = 86_400.0  # a day of local search is the most `--search-seconds` takes
-
-
-def _fmt(t: float) -> str:
-    return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
-
-
-def print_comparison(result, objective: str, title: str = "", console: Console | None = None) -> None:
-    """The candidates of a :class:`agent.infer.PlaceResult` as a table (best first)."""
-    con = console or Console(width=140)
-    base = result.best_baseline()
-    t = Table(title=title or f"objective: {objective}")
-    for c in ("candidate", "kind", "time", "vs best baseline", "peak memory / device", "OOM"):
-        t.add_column(c)
-    seen: set[str] = set()
-    for c in result.candidates:
-        if c.kind == "policy" and c.name.split(" sample")[0] in seen and c is not result.best:
-            continue  # one row per rollout kind (the best sample) keeps the table short
-        seen.add(c.name.split(" sample")[0])
-        vs = f"x{base.value / c.value:.3f}" if base is not None and c.value > 0 else "-"
-        style = "bold green" if c is result.best else None
-        t.add_row(c.name, c.kind, _fmt(c.value), vs, f"{c.peak_memory / 1e9:.2f} GB", "yes" if c.oom else "no",
-                  style=style)
-    con.print(t)
 
 
 def place_cmd(
@@ -52,8 +30,7 @@ def place_cmd(
     from agent.commands.simulate import write_plan_and_chart
     from agent.infer import PlaceError, place, resolve_model
     from envs.files import check_output_path
-    from envs.simulator import simulate
-    from envs.topology import resolve_topology
+    from envs.presets import resolve_topology
 
     if not math.isfinite(search_seconds):
         raise PlaceError(f"--search-seconds must be a finite number of seconds, got {search_seconds}")
@@ -66,9 +43,9 @@ def place_cmd(
     con = Console(width=140)
     con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
     print_comparison(res, objective, console=con)
-    rep = simulate(g, topo, res.plan, "step_time" if objective == "throughput" else objective)
+    rep = winner_timeline(res, g, topo, objective)
     write_plan_and_chart(res.plan, str(out), rep, str(png),
-                         title=f"{g.name} on {topo.name}: {res.best.name} ({_fmt(rep.step_time)})")
+                         title=f"{g.name} on {topo.name}: {res.best.name} ({format_time(rep.step_time)})")
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
 
 

@@ -64,8 +64,8 @@ def profile(
     if measure:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from profilers.measure import calibrate_cpu_local, fit_device
-        from profilers.measure import measure as measure_ops
+        from profilers.calibration import calibrate_cpu_local, fit_device
+        from profilers.calibration import measure as measure_ops
 
         module, inputs, b = build_model(model, input_shape=shape, batch=batch)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

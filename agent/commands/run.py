@@ -8,11 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from agent.report import format_time
 from envs.files import finite_json
-
-
-def _fmt_time(t: float) -> str:
-    return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
 
 
 def run_cmd(
@@ -33,7 +30,8 @@ def run_cmd(
     """Run WARMUP + STEPS training steps of the plan with torch.distributed (local workers, or this rank
     under torchrun); report the median step time, peak memory per rank and the loss against a
     single-process reference. Exit 1 when the loss does not match or a worker fails, 2 on bad input."""
-    from profilers.execute import WorkerError, execute_plan
+    from profilers.execute import execute_plan
+    from profilers.execution_layout import WorkerError
 
     try:
         report = execute_plan(plan, model, steps, warmup=warmup, backend=backend, seed=seed, dtype=dtype,
@@ -56,8 +54,8 @@ def run_cmd(
         mem = ", ".join(f"{m / 2**20:.0f} MiB" for m in report.peak_memory_per_rank)
         ref = "-" if report.reference_loss is None else f"{report.reference_loss:.6g}"
         match = {None: "-", True: "yes", False: "NO"}[report.loss_matches]
-        t.add_row(_fmt_time(report.median_step_time_s), _fmt_time(min(report.step_times)),
-                  _fmt_time(max(report.step_times)), mem, f"{report.loss:.6g}", ref, match)
+        t.add_row(format_time(report.median_step_time_s), format_time(min(report.step_times)),
+                  format_time(max(report.step_times)), mem, f"{report.loss:.6g}", ref, match)
         con.print(t)
     if report.loss_matches is False:
         typer.echo("error: the loss does not match the single-process reference", err=True)

@@ -6,16 +6,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from agent.report import format_time
 from agent.resolve import resolve_graph
 from envs.errors import PlanError
 from envs.files import check_output_path, finite_json
 from envs.plan import SCHEDULES, Plan, megatron_plan, standard_plans
-from envs.simulator import OBJECTIVES, StepReport, simulate
-from envs.topology import resolve_topology
-
-
-def _fmt_time(t: float) -> str:
-    return f"{t * 1e3:.3f} ms" if t < 10 else f"{t:.2f} s"
+from envs.presets import resolve_topology
+from envs.sim import OBJECTIVES, StepReport, simulate
 
 
 def simulate_cmd(
@@ -69,16 +66,16 @@ def simulate_cmd(
         for c in ("plan", "time", "peak memory / device", "OOM", "busiest compute", "busiest comm"):
             t.add_column(c)
         for name, r in reports.items():
-            t.add_row(name, _fmt_time(r.step_time), f"{r.peak_memory.max() / 1e9:.2f} GB",
-                      "yes" if r.oom else "no", _fmt_time(float(r.compute_time.max())),
-                      _fmt_time(float(r.comm_time.max())))
+            t.add_row(name, format_time(r.step_time), f"{r.peak_memory.max() / 1e9:.2f} GB",
+                      "yes" if r.oom else "no", format_time(float(r.compute_time.max())),
+                      format_time(float(r.comm_time.max())))
         con.print(t)
     name, report = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
     chosen = plans[name]
     chosen.provenance.update({"predicted_step_time": report.step_time, "objective": objective,
                               "peak_memory": [float(x) for x in report.peak_memory], "name": name})
     timeline = report if report.objective != "throughput" else simulate(g, topo, chosen, "step_time")
-    title = f"{g.name} on {topo.name}: {name} ({_fmt_time(timeline.step_time)})"
+    title = f"{g.name} on {topo.name}: {name} ({format_time(timeline.step_time)})"
     write_plan_and_chart(chosen, save_plan, timeline if gantt else None, gantt, title)
     if not as_json:
         if save_plan:

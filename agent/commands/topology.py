@@ -6,7 +6,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from envs.topology import Topology, resolve_topology
+from envs.presets import resolve_topology
+from envs.topology import Topology
 
 SHOWN = 64  # rows of the device and link tables; the rest is one "... N more" line
 MATRIX = 16  # devices of the pairwise bandwidth matrix (routes of these rows only are computed)

@@ -2,7 +2,7 @@
 Placement of Machine Learning Graphs", SoCC 2020).
 
 Both schedule the forward graph's operators one by one on the devices, with each operator's time the
-forward + backward time on that device (``envs.simulator.node_times``, i.e. measured times or the
+forward + backward time on that device (``envs.sim.node_times``, i.e. measured times or the
 roofline) and each cross-device tensor costing ``Topology.p2p_time`` (or the graph's measured edge
 time). A device is eligible for an operator only while it has memory left for the operator's model
 states and stashed activation (Baechi's memory constraint); when no device has room, the one with the

@@ -1,7 +1,7 @@
 """What every placer shares: budgets, a caching scorer, the graph's placement constraints, and the
 helpers that turn a device assignment into a valid Plan.
 
-The objective value a placer minimises is :func:`score`: the simulator's ``step_time`` for the
+The objective value a placer minimises is :func:`objective_value`: the simulator's ``step_time`` for the
 ``step_time`` and ``latency`` objectives, and for ``throughput`` the steady-state time per *global
 batch* (the simulator's per-microbatch max-load times the number of microbatches), so that plans with
 different microbatch counts compare fairly. For the dnn-partitioning workloads (one sample, one
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from envs.errors import PlanError, RlplaceError
-from envs.evaluator import SimulatorEvaluator
+from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
 from envs.plan import ADAM_MIXED_BYTES_PER_PARAM, DTYPE_BYTES, Plan
-from envs.simulator import OBJECTIVES, node_times
+from envs.sim import OBJECTIVES, node_times
 from envs.topology import Topology
 
 
@@ -80,21 +80,25 @@ def plan_defaults(graph: OpGraph) -> dict:
     return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
 
 
-def score(step_time: float, plan: Plan, objective: str) -> float:
-    """The value placers minimise (see the module docstring)."""
+def objective_value(step_time: float, plan: Plan, objective: str) -> float:
+    """The value placers (and :func:`agent.infer.place`) minimise: the simulator's ``step_time``, or for
+    the throughput objective the time per global batch (see the module docstring)."""
     return float(step_time) * (plan.microbatches if objective == "throughput" else 1)
 
 
 @dataclass
 class Outcome:
-    score: float
+    """What the Scorer says about one plan: its objective value and the evaluation it came from."""
+
+    value: float  # objective_value of the evaluation
     oom: bool
     overflow: float  # worst device's peak / capacity
     peak_memory: float  # bytes, worst device
+    evaluation: EvalResult
 
     def key(self) -> tuple:
-        """Sort key: plans that fit first, then by score (OOM plans by how far they overflow)."""
-        return (0, self.score) if not self.oom else (1, self.overflow, self.score)
+        """Sort key: plans that fit first, then by value (OOM plans by how far they overflow)."""
+        return (0, self.value) if not self.oom else (1, self.overflow, self.value)
 
 
 class Scorer:
@@ -105,7 +109,7 @@ class Scorer:
         if objective not in OBJECTIVES:
             raise PlacerError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
         self.graph, self.topology, self.objective, self.budget = graph, topology, objective, budget
-        self.evaluator = SimulatorEvaluator(cache_size=8192, validate=False)
+        self.evaluator = CachedSimulation(cache_size=8192, validate=False)
         self.evaluations = 0
         self.t0 = time.perf_counter()
         self.best: tuple[Outcome, Plan] | None = None
@@ -130,23 +134,44 @@ class Scorer:
         res = self.evaluator.evaluate(self.graph, self.topology, plan, self.objective)
         if self.evaluator.hits == hits:
             self.evaluations += 1
-        out = Outcome(score(res.step_time, plan, self.objective), bool(res.oom), res.overflow,
-                      float(res.peak_memory.max()) if res.peak_memory.size else 0.0)
+        out = Outcome(objective_value(res.step_time, plan, self.objective), bool(res.oom), res.overflow,
+                      float(res.peak_memory.max()) if res.peak_memory.size else 0.0, res)
         if self.best is None or out.key() < self.best[0].key():
             self.best = (out, plan)
         return out
 
 
 def finish(plan: Plan, name: str, seed: int, scorer: Scorer, **extra) -> Plan:
-    """Validate ``plan``, score it, and stamp its provenance."""
+    """Validate ``plan``, score it, stamp its provenance and remember its evaluation
+    (:func:`finished_evaluation`)."""
     plan.validate(scorer.graph, scorer.topology)
     check_restrictions(scorer.graph, scorer.topology, plan)
     out = scorer(plan)
     assert out is not None
     plan.provenance = {"placer": name, "seed": int(seed), "objective": scorer.objective,
-                       "predicted_step_time": out.score, "peak_memory": out.peak_memory, "oom": out.oom,
+                       "predicted_step_time": out.value, "peak_memory": out.peak_memory, "oom": out.oom,
                        "evaluations": scorer.evaluations, "planning_seconds": round(scorer.elapsed(), 4), **extra}
-    return plan.bind(scorer.graph)
+    plan.bind(scorer.graph)
+    _FINISHED[plan] = (plan.key(), weakref.ref(scorer.graph), weakref.ref(scorer.topology), scorer.objective,
+                       out.evaluation)
+    return plan
+
+
+# plan -> (its key, graph, topology, objective, evaluation) when finish() stamped it; weak, so an entry
+# lives exactly as long as its plan
+_FINISHED: weakref.WeakKeyDictionary[Plan, tuple] = weakref.WeakKeyDictionary()
+
+
+def finished_evaluation(plan: Plan, graph: OpGraph, topology: Topology, objective: str) -> EvalResult | None:
+    """The evaluation the placer's Scorer gave ``plan`` when :func:`finish` stamped it, if the plan is
+    unchanged since and was scored on these very graph and topology objects for ``objective``; None
+    otherwise. Lets a caller use a placer's evaluation instead of simulating the plan a second time."""
+    hit = _FINISHED.get(plan)
+    if hit is None:
+        return None
+    key, scored_graph, scored_topology, scored_objective, evaluation = hit
+    same = scored_graph() is graph and scored_topology() is topology and scored_objective == objective
+    return evaluation if same and key == plan.key() else None
 
 
 def best_of(scorer: Scorer, plans: Sequence[Plan]) -> tuple[Plan, Outcome]:
@@ -291,7 +316,7 @@ def microbatch_options(batch: int, limit: int = 6, multiple_of: int = 1) -> list
 
 def op_time_matrix(graph: OpGraph, topology: Topology, dtype: str | None = None) -> np.ndarray:
     """Forward + backward time (s) of each node alone on each device for the traced batch
-    (``envs.simulator.node_times`` with layout ``single``): nodes x devices."""
+    (``envs.sim.node_times`` with layout ``single``): nodes x devices."""
     dtype = dtype or plan_defaults(graph)["dtype"]
     n, nd = graph.num_nodes, topology.num_devices
     out = np.zeros((n, nd))

@@ -14,7 +14,7 @@ count, schedule (GPipe / 1F1B) and activation recomputation.
   simulator as cost, started from the best fast heuristic. Moves: change one unit's group/layout;
   change a contiguous block of units (topological order) to one group and parallelism scheme; change
   the microbatch count, schedule or recomputation. A proposal is accepted with probability
-  ``min(1, exp(-(E' - E) / T))`` for energy ``E = log(score) + overflow penalty``; the temperature
+  ``min(1, exp(-(E' - E) / T))`` for energy ``E = log(objective value) + overflow penalty``; the temperature
   ``T_k = T0 * 2^(-k / HALF_LIFE)`` depends only on the evaluation count ``k``, never on the budget, so
   for one seed a larger budget extends the same trajectory and is never worse.
 
@@ -50,8 +50,9 @@ HALF_LIFE = 150.0
 OOM_PENALTY = 2.0
 
 
-class _Space:
-    """Candidate groups and layouts of one (graph, topology)."""
+class PlanSpace:
+    """The search space of the random and MCMC placers: candidate device groups and layouts of every
+    placement unit of one (graph, topology)."""
 
     def __init__(self, graph: OpGraph, topology: Topology):
         self.graph, self.topology = graph, topology
@@ -99,7 +100,7 @@ def _mb_choices(batch: int) -> list[int]:
     return divisors(batch)
 
 
-def random_plan(space: _Space, rng: np.random.Generator) -> Plan:
+def random_plan(space: PlanSpace, rng: np.random.Generator) -> Plan:
     """One random plan from the search space (see module docstring)."""
     g_n = space.graph.num_nodes
     groups: list[tuple[int, ...]] = [()] * g_n
@@ -145,7 +146,7 @@ def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=N
                   objective: str = "step_time") -> Plan:
     """Random search (see module docstring) under ``budget`` (default 600 evaluations / 60 s)."""
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
-    space = _Space(graph, topology)
+    space = PlanSpace(graph, topology)
     rng = np.random.default_rng(seed)
     best: tuple[Outcome, Plan] | None = None
     tries = 0
@@ -162,13 +163,13 @@ def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=N
 
 # ---------------------------------------------------------------------- MCMC
 def energy(out: Outcome) -> float:
-    e = math.log(max(out.score, 1e-30))
+    e = math.log(max(out.value, 1e-30))
     if out.oom:
         e += OOM_PENALTY + 10.0 * max(0.0, out.overflow - 1.0)
     return e
 
 
-def _propose(space: _Space, plan: Plan, rng: np.random.Generator) -> Plan | None:
+def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | None:
     groups, layouts, dps = list(plan.groups), list(plan.layouts), plan.dp.copy()
     m, sched, rc = plan.microbatches, plan.schedule, bool(plan.recompute.any())
     r = rng.random()
@@ -251,7 +252,7 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``)."""
     init = start if start is not None else initial_plan(graph, topology, objective, seed)
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
-    space = _Space(graph, topology)
+    space = PlanSpace(graph, topology)
     rng = np.random.default_rng(seed)
     cur = init.copy(provenance={})
     cur_out = scorer(cur)

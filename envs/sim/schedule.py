@@ -5,6 +5,8 @@ time), a set of resources it holds for its whole duration (a device's compute en
 send or receive port) and predecessors. A task starts at the earliest time when all predecessors
 have finished and all its resources are free; among tasks competing for a start time, the one with
 the lowest priority value goes first (Graham's list scheduling, non-preemptive).
+
+A leaf of :mod:`envs.sim`: numpy and numba only.
 """
 
 from __future__ import annotations
@@ -12,19 +14,12 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-
-try:  # numba is a hard dependency, but keep a pure-Python fallback for debugging with NUMBA_DISABLE_JIT
-    from numba import njit
-except ImportError:  # pragma: no cover
-    def njit(*args, **kwargs):
-        def wrap(f):
-            return f
-        return wrap if not (args and callable(args[0])) else args[0]
+from numba import njit  # NUMBA_DISABLE_JIT=1 runs these kernels as plain Python, for debugging
 
 
 @njit(cache=True)
 def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources):
-    """Return (start, finish) arrays. ``res_*`` and ``succ_*`` are CSR adjacency arrays."""
+    """Return (start, finish, number scheduled). ``res_*`` and ``succ_*`` are CSR adjacency arrays."""
     n = duration.shape[0]
     start = np.full(n, -1.0)
     finish = np.full(n, -1.0)

@@ -1,4 +1,4 @@
-"""profilers.measure: op timing on this host and the cpu-local calibration."""
+"""profilers.calibration: op timing on this host and the cpu-local calibration."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from envs.presets import calibrated_cpu_local_path, cpu_local
 from envs.topology import Topology
-from profilers.measure import DeviceFit, MeasureError, calibrate_cpu_local, fit_device, measure
+from profilers.calibration import DeviceFit, MeasureError, calibrate_cpu_local, fit_device, measure
 from profilers.spec import build_model
 
 warnings.filterwarnings("ignore")

@@ -1,4 +1,8 @@
-"""Translate a Plan into what ``profilers.execute`` runs: blocks, pipeline stages, rank mesh, TP styles.
+"""Translate a Plan into its execution layout: blocks, pipeline stages, rank mesh, TP styles.
+
+:func:`analyze` checks that a plan can run and returns the :class:`ExecLayout` that
+:mod:`profilers.rank_program` runs on every rank (launched by :mod:`profilers.execute` or the
+measured evaluator's pool).
 
 A model is executed as a chain of **blocks** (its top-level sequence: for ``gpt`` and ``moe`` the
 embeddings, each ``layers.N`` and the final norm + head; for ``mlp`` each ``layers.N`` and ``head``;
@@ -318,7 +322,7 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
         if any(plan.recompute[v] for v in range(graph.num_nodes) if nb[v] == b):
             stages[int(block_stage[b])].recompute.append(b)
     if tp > 1:
-        _tensor_parallel(plan, graph, model, nb, stage_of, stages, tp)
+        _TensorParallelLayout(plan, graph, model, stage_of, stages, tp).fill()
     else:
         bad = [v for v in range(graph.num_nodes) if plan.layouts[v] in ("col_split", "row_split") and width > 1]
         if bad:
@@ -327,27 +331,95 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
                       num_blocks=len(blocks))
 
 
-def _tensor_parallel(plan: Plan, graph: OpGraph, model: nn.Module, nb: np.ndarray, stage_of: np.ndarray,
-                     stages: list[StageLayout], tp: int) -> None:
-    """Fill ``tp_styles`` / ``attention`` of each stage, refusing layouts DTensor TP cannot express."""
-    from profilers.zoo import SelfAttention
+class _TensorParallelLayout:
+    """Fills ``tp_styles`` / ``attention`` of each stage of a ``tp > 1`` plan, refusing layouts DTensor TP
+    cannot express: nodes are visited in topological order; a weighted node must be an ``nn.Linear`` /
+    ``nn.Embedding`` split by columns (sharded output, or gathered right away when nothing downstream is
+    split) or rows; a weightless split node must sit between a column and a row split (an elementwise
+    activation, or the attention core of a zoo ``SelfAttention``)."""
 
-    n = graph.num_nodes
-    pred = [graph.predecessors(v).tolist() for v in range(n)]
-    succ = [graph.successors(v).tolist() for v in range(n)]
-    lay = plan.layouts
-    sharded = [lay[v] == "col_split" for v in range(n)]
-    weighted = [graph.param_bytes[v] > 0 for v in range(n)]
-    gathered: set[int] = set()  # elementwise col_split ops that run on a gathered (replicated) tensor
+    def __init__(self, plan: Plan, graph: OpGraph, model: nn.Module, stage_of: np.ndarray,
+                 stages: list[StageLayout], tp: int) -> None:
+        n = graph.num_nodes
+        self.graph, self.model, self.stage_of, self.stages, self.tp = graph, model, stage_of, stages, tp
+        self.pred = [graph.predecessors(v).tolist() for v in range(n)]
+        self.succ = [graph.successors(v).tolist() for v in range(n)]
+        self.lay = plan.layouts
+        self.sharded = [self.lay[v] == "col_split" for v in range(n)]  # the node's output is column-split
+        self.weighted = [graph.param_bytes[v] > 0 for v in range(n)]
+        self.gathered: set[int] = set()  # elementwise col_split ops that run on a gathered (replicated) tensor
 
-    def region(v: int) -> tuple[set[int], set[int]]:
+    def fill(self) -> None:
+        for v in self.graph.topological_order().tolist():
+            self._node(v)
+        self._check_attention_cores()
+
+    def _node(self, v: int) -> None:
+        lay = self.lay
+        who = f"node {self.graph.names[v]!r} ({self.graph.kinds[v]})"
+        if lay[v] in ("single", "batch_split"):
+            raise ExecutionError(f"{who} is {lay[v]} inside a tensor-parallel stage")
+        for u in self.succ[v]:
+            if self.sharded[v] and self.stage_of[u] != self.stage_of[v]:
+                raise ExecutionError(f"{who} passes a column-split tensor across a pipeline stage boundary to "
+                                     f"{self.graph.names[u]!r}")
+        if lay[v] == "replicate":
+            if any(self.sharded[p] for p in self.pred[v]):
+                raise ExecutionError(f"{who} is replicate but is fed a column-split tensor")
+            return
+        mod = _module_at(self.model, self.graph.module_paths[v])
+        if self.weighted[v]:
+            self._split_module(v, who, mod)
+        elif v not in self.gathered:
+            self._split_activation(v, who, mod)
+
+    def _styles(self, v: int) -> dict[str, str]:
+        return self.stages[int(self.stage_of[v])].tp_styles
+
+    def _split_module(self, v: int, who: str, mod: nn.Module | None) -> None:
+        """A weighted node: the style of its nn.Linear / nn.Embedding, its split dimension divisible by tp."""
+        path = self.graph.module_paths[v]
+        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+            raise ExecutionError(f"{who} is {self.lay[v]}, but the executor splits only nn.Linear and nn.Embedding "
+                                 f"(module {path!r} is {type(mod).__name__})")
+        in_sh = [self.sharded[p] for p in self.pred[v]]
+        if self.lay[v] == "col_split":
+            if any(in_sh):
+                raise ExecutionError(f"{who} is col_split but its input is already sharded")
+            dim = mod.out_features if isinstance(mod, nn.Linear) else mod.embedding_dim
+            self._styles(v)[path] = self._column_style(v, who, mod)
+        else:
+            dim = mod.in_features if isinstance(mod, nn.Linear) else mod.num_embeddings
+            if any(in_sh) and not all(in_sh):
+                raise ExecutionError(f"{who} is row_split with both sharded and replicated inputs")
+            if any(in_sh) and isinstance(mod, nn.Embedding):
+                raise ExecutionError(f"{who}: a row-split embedding needs replicated indices")
+            self._styles(v)[path] = "row" if any(in_sh) else "row_rep"
+        if dim % self.tp:
+            raise ExecutionError(f"{who}: dimension {dim} is not divisible by tp={self.tp}")
+
+    def _column_style(self, v: int, who: str, mod: nn.Module) -> str:
+        """``col`` when every consumer (after elementwise col_split ops) is split, ``col_gather`` when none
+        is (the output is gathered right away and the elementwise ops run replicated)."""
+        inside, ends = self._region(v)
+        cons = [self.lay[u] in ("col_split", "row_split") for u in ends]
+        if cons and all(cons) and isinstance(mod, nn.Linear):
+            return "col"
+        if not any(cons):
+            self.gathered.update(inside)
+            for u in (v, *inside):
+                self.sharded[u] = False
+            return "col_gather"
+        raise ExecutionError(f"{who} is col_split with both split and replicated consumers")
+
+    def _region(self, v: int) -> tuple[set[int], set[int]]:
         """Weightless elementwise col_split ops downstream of ``v``, and the ops they (and v) feed."""
         inside: set[int] = set()
         ends: set[int] = set()
         stack = [v]
         while stack:
-            for u in succ[stack.pop()]:
-                if lay[u] == "col_split" and not weighted[u] and graph.kinds[u] in ELEMENTWISE_KINDS:
+            for u in self.succ[stack.pop()]:
+                if self.lay[u] == "col_split" and not self.weighted[u] and self.graph.kinds[u] in ELEMENTWISE_KINDS:
                     if u not in inside:
                         inside.add(u)
                         stack.append(u)
@@ -355,79 +427,41 @@ def _tensor_parallel(plan: Plan, graph: OpGraph, model: nn.Module, nb: np.ndarra
                     ends.add(u)
         return inside, ends
 
-    for v in graph.topological_order().tolist():
-        name, path, kind = graph.names[v], graph.module_paths[v], graph.kinds[v]
-        who = f"node {name!r} ({kind})"
-        if lay[v] in ("single", "batch_split"):
-            raise ExecutionError(f"{who} is {lay[v]} inside a tensor-parallel stage")
-        for u in succ[v]:
-            if sharded[v] and stage_of[u] != stage_of[v]:
-                raise ExecutionError(f"{who} passes a column-split tensor across a pipeline stage boundary to "
-                                     f"{graph.names[u]!r}")
-        if lay[v] == "replicate":
-            if any(sharded[p] for p in pred[v]):
-                raise ExecutionError(f"{who} is replicate but is fed a column-split tensor")
-            continue
-        mod = _module_at(model, path)
-        styles = stages[int(stage_of[v])].tp_styles
-        if weighted[v]:
-            if not isinstance(mod, (nn.Linear, nn.Embedding)):
-                raise ExecutionError(f"{who} is {lay[v]}, but the executor splits only nn.Linear and nn.Embedding "
-                                     f"(module {path!r} is {type(mod).__name__})")
-            in_sh = [sharded[p] for p in pred[v]]
-            if lay[v] == "col_split":
-                if any(in_sh):
-                    raise ExecutionError(f"{who} is col_split but its input is already sharded")
-                dim = mod.out_features if isinstance(mod, nn.Linear) else mod.embedding_dim
-                inside, ends = region(v)
-                cons = [lay[u] in ("col_split", "row_split") for u in ends]
-                if cons and all(cons) and isinstance(mod, nn.Linear):
-                    styles[path] = "col"
-                elif not any(cons):  # nothing downstream is split: gather the output right away
-                    styles[path] = "col_gather"
-                    gathered.update(inside)
-                    for u in (v, *inside):
-                        sharded[u] = False
-                else:
-                    raise ExecutionError(f"{who} is col_split with both split and replicated consumers")
-            else:
-                dim = mod.in_features if isinstance(mod, nn.Linear) else mod.num_embeddings
-                if any(in_sh) and not all(in_sh):
-                    raise ExecutionError(f"{who} is row_split with both sharded and replicated inputs")
-                if any(in_sh) and isinstance(mod, nn.Embedding):
-                    raise ExecutionError(f"{who}: a row-split embedding needs replicated indices")
-                styles[path] = "row" if any(in_sh) else "row_rep"
-            if dim % tp:
-                raise ExecutionError(f"{who}: dimension {dim} is not divisible by tp={tp}")
-            continue
-        # weightless, split
-        if v in gathered:
-            continue
+    def _split_activation(self, v: int, who: str, mod: nn.Module | None) -> None:
+        """A weightless split node between a column split and a row split."""
+        from profilers.zoo import SelfAttention
+
+        lay, kind, path = self.lay, self.graph.kinds[v], self.graph.module_paths[v]
         if lay[v] == "row_split":
             raise ExecutionError(f"{who} has no weights to row_split")
-        if not pred[v] or not all(sharded[p] for p in pred[v]):
+        if not self.pred[v] or not all(self.sharded[p] for p in self.pred[v]):
             raise ExecutionError(f"{who} is col_split but its input is not column-split")
-        if not succ[v] or not all(lay[u] in ("col_split", "row_split") for u in succ[v]):
+        if not self.succ[v] or not all(lay[u] in ("col_split", "row_split") for u in self.succ[v]):
             raise ExecutionError(f"{who} is col_split but feeds a replicated op; end the split with a row_split")
         if kind in ELEMENTWISE_KINDS:
-            continue
+            return
         if kind == "sdpa" and isinstance(mod, SelfAttention):
             qkv, out = f"{path}.qkv", f"{path}.out"
-            out_ok = any(graph.module_paths[u] == out and lay[u] == "row_split" for u in range(n))
-            if stages[int(stage_of[v])].tp_styles.get(qkv) != "col" or not out_ok:
+            out_ok = any(self.graph.module_paths[u] == out and lay[u] == "row_split" for u in range(len(lay)))
+            if self._styles(v).get(qkv) != "col" or not out_ok:
                 raise ExecutionError(f"{who}: attention runs split only with {qkv!r} col_split and {out!r} row_split")
-            if mod.heads % tp:
-                raise ExecutionError(f"{who}: {mod.heads} heads do not split over tp={tp}")
-            stages[int(stage_of[v])].attention.append(path)
-            continue
+            if mod.heads % self.tp:
+                raise ExecutionError(f"{who}: {mod.heads} heads do not split over tp={self.tp}")
+            self.stages[int(self.stage_of[v])].attention.append(path)
+            return
         raise ExecutionError(f"{who} is col_split, but the executor shards only elementwise activations and "
                              "zoo SelfAttention between a column and a row split")
-    for st in stages:  # a column-split qkv must come with its attention core split by heads
-        for path in st.tp_styles:
-            parent = path.rpartition(".")[0]
-            if isinstance(_module_at(model, parent), SelfAttention) and path.endswith(".qkv") \
-                    and parent not in st.attention:
-                raise ExecutionError(f"{path!r} is col_split but its attention core is not split by heads")
+
+    def _check_attention_cores(self) -> None:
+        """A column-split qkv must come with its attention core split by heads."""
+        from profilers.zoo import SelfAttention
+
+        for st in self.stages:
+            for path in st.tp_styles:
+                parent = path.rpartition(".")[0]
+                if isinstance(_module_at(self.model, parent), SelfAttention) and path.endswith(".qkv") \
+                        and parent not in st.attention:
+                    raise ExecutionError(f"{path!r} is col_split but its attention core is not split by heads")
 
 
 # ---------------------------------------------------------------------------- TP helpers

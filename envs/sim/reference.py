@@ -1,0 +1,322 @@
+"""The reference task-graph builder: the specification of a simulated training step, one task at a time.
+
+:func:`simulate_reference` builds the step's task graph in plain Python and list-schedules it:
+
+1. compute tasks: forward and backward of every node for every microbatch; a node on a device group
+   runs SPMD on all devices of its group at once (one task holding every member's compute engine);
+2. pipeline constraints: GPipe runs all forwards then all backwards (flush); 1F1B keeps at most
+   ``p - s`` microbatches in flight on stage ``s`` (Narayanan et al., PipeDream-Flush, ICML'21) and
+   prefers backward work;
+3. edge-group communication: the transfers and re-layout collectives between a producer's and its
+   consumers' layouts (:func:`envs.sim.cost.layout_crossing`), each gradient flowing back along the
+   mirrored transfer;
+4. gradient buckets: data-parallel gradient all-reduce in 25 MB buckets (PyTorch DDP's default
+   ``bucket_cap_mb``), each starting when its last gradient is ready, so it overlaps the backward;
+5. the optimizer update per device after its gradients are synchronised;
+6. the list schedule on device resources, and the report.
+
+Link contention: every device has one send port and one receive port, each exclusive (a transfer
+holds the sender's send port and the receiver's receive port; a collective holds both ports of every
+member). Compute and communication overlap freely.
+
+The compiled builder (:mod:`envs.sim.compiled`) reproduces this task graph exactly (same tasks in the
+same order, same durations, priorities and dependencies); tests compare the two bit for bit. This
+module imports only :mod:`envs.sim.cost` and :mod:`envs.sim.schedule` (and envs.graph/plan/topology).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from envs.graph import OpGraph
+from envs.plan import DTYPE_BYTES, Plan
+from envs.sim.cost import (
+    DDP_BUCKET_BYTES,
+    KIND_COMM,
+    KIND_COMPUTE,
+    KIND_OPT,
+    LAYOUT_CODE,
+    CommTimes,
+    StepReport,
+    column_weighted,
+    dp_groups,
+    is_tensor_split,
+    layout_crossing,
+    memory,
+    node_times,
+    optimizer_time,
+    produced_state,
+    required_state,
+)
+from envs.sim.schedule import list_schedule, to_csr
+from envs.topology import Topology
+
+
+def simulate_reference(graph: OpGraph, topology: Topology, plan: Plan, objective: str = "step_time", *,
+                       timeline: bool = True) -> StepReport:
+    """StepReport of ``plan`` (objective ``step_time`` or ``latency``) from the reference builder; the
+    plan is not validated. Kept as the specification (for tests and debugging): ``simulate`` runs the
+    compiled builder, which gives the same report."""
+    step = _Step(graph, topology, plan, objective)
+    tasks = _TaskGraph(topology.num_devices)
+    F, B = _compute_tasks(step, tasks)
+    if not step.latency:
+        _pipeline_constraints(step, tasks, F, B)
+    _edge_group_communication(step, tasks, F, B)
+    if not step.latency:
+        grad_syncs = _gradient_buckets(step, tasks, B)
+        _optimizer_updates(step, tasks, B, grad_syncs)
+    return _schedule_and_report(step, tasks, timeline)
+
+
+class _Step:
+    """What every part of the builder reads: the plan's per-microbatch quantities and priorities."""
+
+    def __init__(self, graph: OpGraph, topology: Topology, plan: Plan, objective: str):
+        self.graph, self.topology, self.plan, self.objective = graph, topology, plan, objective
+        self.nd = topology.num_devices
+        self.n = n = graph.num_nodes
+        self.latency = latency = objective == "latency"
+        self.m = 1 if latency else plan.microbatches
+        self.scale = (1.0 / graph.batch_size) if latency else plan.microbatch_size(graph) / graph.batch_size
+        self.stage, self.p = plan.stages(graph)
+        self.topo_pos = np.empty(n, dtype=np.int64)
+        self.topo_pos[graph.topological_order()] = np.arange(n)
+        self.fwd, self.bwd = node_times(graph, topology, plan, self.scale)
+        if latency:  # a single sample is not split by data parallelism
+            self.fwd = self.fwd * np.array([plan.dp[v] for v in range(n)], dtype=np.float64)
+        self.comm = CommTimes(topology)
+        self.gpipe = plan.schedule == "gpipe"
+        self._N = float(n + 1)
+
+    def prio(self, v: int, k: int, backward: bool) -> float:
+        """Priority of node v's forward / backward of microbatch k: GPipe all forwards (microbatch-major,
+        topological order) then all backwards; 1F1B microbatch-major, backward before forward."""
+        N, m, pos = self._N, self.m, self.topo_pos[v]
+        if self.gpipe:
+            return (m * N + k * N + (N - 1 - pos)) if backward else (k * N + pos)
+        return k * 2 * N + ((N - 1 - pos) if backward else (N + pos))
+
+
+class _TaskGraph:
+    """Tasks (duration, priority, resources, devices, kind, label) and dependencies, one at a time.
+    Resources: device d's compute engine is d, its send port nd + d, its receive port 2 nd + d."""
+
+    def __init__(self, nd: int):
+        self.nd = nd
+        self.dur: list[float] = []
+        self.prio: list[float] = []
+        self.res: list[tuple[int, ...]] = []
+        self.devs: list[tuple[int, ...]] = []
+        self.kind: list[int] = []
+        self.label: list[str] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+
+    def add(self, dur, prio, devices, kind, label, comm_ports=None) -> int:
+        nd = self.nd
+        if kind == KIND_COMM:
+            snd, rcv = comm_ports
+            res = tuple(nd + d for d in snd) + tuple(2 * nd + d for d in rcv)
+        else:
+            res = tuple(devices)
+        self.dur.append(float(dur))
+        self.prio.append(float(prio))
+        self.res.append(res)
+        self.devs.append(tuple(sorted(set(devices))))
+        self.kind.append(kind)
+        self.label.append(label)
+        return len(self.dur) - 1
+
+    def dep(self, a: int, b: int) -> None:
+        self.src.append(a)
+        self.dst.append(b)
+
+    def chain(self, first: list[int], steps: list[list[int]], last: list[int]) -> None:
+        """Every task of each step after every task of the step before: first -> steps -> last."""
+        prev = first
+        for step in steps + [last]:
+            for a in prev:
+                for b in step:
+                    self.dep(a, b)
+            prev = step
+
+
+def _compute_tasks(s: _Step, T: _TaskGraph) -> tuple[np.ndarray, np.ndarray | None]:
+    """F(v, k) and B(v, k) for every node and microbatch (node-major), B after F."""
+    n, m = s.n, s.m
+    F = np.empty((n, m), dtype=np.int64)
+    B = np.empty((n, m), dtype=np.int64) if not s.latency else None
+    for v in range(n):
+        g = s.plan.groups[v]
+        name = s.graph.names[v]
+        for k in range(m):
+            F[v, k] = T.add(s.fwd[v], s.prio(v, k, False), g, KIND_COMPUTE, f"F {name} mb{k}")
+            if not s.latency:
+                B[v, k] = T.add(s.bwd[v], s.prio(v, k, True), g, KIND_COMPUTE, f"B {name} mb{k}")
+                T.dep(F[v, k], B[v, k])
+    return F, B
+
+
+def _pipeline_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray) -> None:
+    """GPipe: no backward before the last forward. 1F1B: on stage s the forward of microbatch k waits
+    for the backward of microbatch k - (p - s)."""
+    m = s.m
+    if m <= 1:
+        return
+    for v in range(s.n):
+        if s.gpipe:
+            for k in range(m):
+                T.dep(F[v, m - 1], B[v, k])
+        else:
+            w = s.p - int(s.stage[v])
+            for k in range(w, m):
+                T.dep(B[v, k - w], F[v, k])
+
+
+def _edge_groups(graph: OpGraph, plan: Plan) -> dict[tuple, list[tuple[int, int]]]:
+    """Edges grouped by (producer, consumer group, consumer dp, required state, column-weighted), in
+    order of first edge: the consumers of one group share the producer's communication."""
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for e in range(graph.num_edges):
+        u, v = int(graph.edge_src[e]), int(graph.edge_dst[e])
+        code, has_params = LAYOUT_CODE[plan.layouts[v]], graph.param_bytes[v] > 0
+        key = (u, plan.groups[v], int(plan.dp[v]), required_state(code, has_params, graph.kinds[v] == "embedding"),
+               column_weighted(code, has_params))
+        groups.setdefault(key, []).append((e, v))
+    return groups
+
+
+def _edge_group_communication(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray | None) -> None:
+    """Per edge group and microbatch: the crossing's tasks, wired F(u) -> forward steps -> F(consumers)
+    and B(consumers) -> backward steps -> B(u)."""
+    graph, plan = s.graph, s.plan
+    for (u, gv, dpv, req, col_weighted), members in _edge_groups(graph, plan).items():
+        e0 = members[0][0]
+        S = float(graph.edge_bytes[[e for e, _ in members]].max()) * s.scale
+        edge_time = float(graph.edge_time[e0]) if graph.edge_time is not None else None
+        crossing = layout_crossing(s.comm, plan.groups[u], int(plan.dp[u]), produced_state(LAYOUT_CODE[plan.layouts[u]]),
+                                   gv, int(dpv), req, col_weighted, S, edge_time, s.latency, s.scale)
+        consumers = [v for _, v in members]
+        name = graph.names[u]
+        for k in range(s.m):
+            pr_f = min(s.prio(v, k, False) for v in consumers)
+            pr_b = s.prio(u, k, True) if not s.latency else 0.0
+            ids = [T.add(t.duration, pr_b if t.backward else pr_f, t.devices, KIND_COMM, t.label.format(u=name, k=k),
+                         t.ports) for t in crossing.tasks]
+            T.chain([int(F[u, k])], [[ids[j] for j in step] for step in crossing.forward],
+                    [int(F[v, k]) for v in consumers])
+            if not s.latency:
+                T.chain([int(B[v, k]) for v in consumers], [[ids[j] for j in step] for step in crossing.backward],
+                        [int(B[u, k])])
+
+
+def _ddp_buckets(nodes: list[int], nbytes: list[float]):
+    """(bucket, bytes): nodes in order, a bucket closed once it holds DDP_BUCKET_BYTES or more."""
+    bucket: list[int] = []
+    size = 0.0
+    for v, b in zip(nodes, nbytes):
+        bucket.append(v)
+        size += b
+        if size >= DDP_BUCKET_BYTES:
+            yield bucket, size
+            bucket, size = [], 0.0
+    if bucket:
+        yield bucket, size
+
+
+def _gradient_buckets(s: _Step, T: _TaskGraph, B: np.ndarray) -> dict[int, list[int]]:
+    """Data-parallel gradient all-reduce, bucketed in backward order per replica set (group, dp,
+    tensor split); each bucket after the last-microbatch backward of its nodes. Returns each device's
+    all-reduce tasks."""
+    graph, plan, m = s.graph, s.plan, s.m
+    replica_sets: dict[tuple, list[int]] = {}
+    for v in np.argsort(-s.topo_pos, kind="stable"):
+        v = int(v)
+        if graph.param_bytes[v] > 0 and plan.dp[v] > 1:
+            key = (plan.groups[v], int(plan.dp[v]), is_tensor_split(plan.layouts[v]))
+            replica_sets.setdefault(key, []).append(v)
+    syncs: dict[int, list[int]] = {d: [] for d in range(s.nd)}
+    for (g, dp, split), nodes in replica_sets.items():
+        tp = len(g) // dp
+        grads = [graph.param_bytes[v] / (tp if split else 1) for v in nodes]
+        for bucket, size in _ddp_buckets(nodes, grads):
+            t = s.comm.collective("all_reduce", dp_groups(g, dp)[0], size)
+            tid = T.add(t, s.prio(bucket[-1], m - 1, True) + 0.5, g, KIND_COMM,
+                        f"grad allreduce {graph.names[bucket[0]]}..({len(bucket)})", (g, g))
+            for v in bucket:
+                T.dep(int(B[v, m - 1]), tid)
+            for d in g:
+                syncs[d].append(tid)
+    return syncs
+
+
+def _optimizer_updates(s: _Step, T: _TaskGraph, B: np.ndarray, grad_syncs: dict[int, list[int]]) -> None:
+    """One optimizer task per device holding parameters (a memory-bound pass over its model states),
+    after its gradient all-reduces and the last backward of each of its nodes."""
+    graph, plan, topology, nd, m = s.graph, s.plan, s.topology, s.nd, s.m
+    pbytes = DTYPE_BYTES.get(graph.dtype, 2)
+    params_dev = np.zeros(nd)
+    for v in range(s.n):
+        g, lay = plan.groups[v], plan.layouts[v]
+        dp = int(plan.dp[v])
+        split = (len(g) // dp) if is_tensor_split(lay) else 1
+        for d in g:
+            params_dev[d] += graph.param_bytes[v] / pbytes / split
+    last_b: dict[int, list[int]] = {d: [] for d in range(nd)}
+    for v in range(s.n):
+        for d in plan.groups[v]:
+            last_b[d].append(int(B[v, m - 1]))
+    for d in range(nd):
+        if params_dev[d] <= 0:
+            continue
+        dev = topology.devices[d]
+        t = optimizer_time(params_dev[d], plan.state_bytes_per_param, dev.bandwidth(), dev.launch_overhead)
+        tid = T.add(t, 1e300, (d,), KIND_OPT, f"optimizer {dev.name}")
+        for a in grad_syncs[d] + last_b[d]:
+            T.dep(a, tid)
+
+
+def _csr(lists: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    counts = np.fromiter((len(r) for r in lists), dtype=np.int64, count=len(lists))
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(counts, out=ptr[1:])
+    idx = np.fromiter((x for r in lists for x in r), dtype=np.int64, count=int(ptr[-1]))
+    return counts, ptr, idx
+
+
+def _schedule_and_report(s: _Step, T: _TaskGraph, want_timeline: bool) -> StepReport:
+    """List-schedule the tasks on 3 resources per device; busy times, memory and the report."""
+    nd, topology = s.nd, s.topology
+    nt = len(T.dur)
+    dur = np.asarray(T.dur)
+    pri = np.asarray(T.prio)
+    _, res_ptr, res_idx = _csr(T.res)
+    src = np.asarray(T.src, dtype=np.int64)
+    dst = np.asarray(T.dst, dtype=np.int64)
+    succ_ptr, succ_idx = to_csr(src, dst, nt)
+    n_pred = np.bincount(dst, minlength=nt).astype(np.int64)
+    start, finish, done = list_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
+    if done != nt:  # pragma: no cover - would be a bug in the task graph
+        raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
+    makespan = float(finish.max()) if nt else 0.0
+
+    dev_counts, dev_ptr, dev_idx = _csr(T.devs)
+    kinds = np.asarray(T.kind, dtype=np.int64)
+    owner = np.repeat(np.arange(nt), dev_counts)
+    dur_rep = dur[owner]
+    kind_rep = kinds[owner]
+    compute = np.bincount(dev_idx, weights=dur_rep * (kind_rep != KIND_COMM), minlength=nd)
+    commt = np.bincount(dev_idx, weights=dur_rep * (kind_rep == KIND_COMM), minlength=nd)
+    mem = memory(s.graph, topology, s.plan, s.stage, s.p, s.objective)
+    total = mem["total"]
+    oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]
+    tl = want_timeline
+    return StepReport(
+        objective=s.objective, step_time=makespan, makespan=makespan, compute_time=compute, comm_time=commt,
+        idle_time=np.maximum(makespan - compute, 0.0), peak_memory=total, memory_capacity=mem["capacity"],
+        oom=oom, memory_breakdown=mem, task_start=start if tl else None, task_finish=finish if tl else None,
+        task_device_ptr=dev_ptr if tl else None, task_devices=dev_idx if tl else None,
+        task_kind=kinds if tl else None, task_label=T.label if tl else None,
+        device_names=[d.name for d in topology.devices], num_tasks=nt, fast_path="reference",
+    )
