@@ -143,8 +143,8 @@ class BestPlanCallback(BaseCallback):
                 cands = run_baselines(task.graph, task.topology, self.objective)
                 fit = [c for c in cands if not c.oom] or cands
                 if fit:
-                    b = min(fit, key=lambda c: c.evaluation.step_time)
-                    self.heuristic[name] = {"placer": b.name, "step_time": b.evaluation.step_time, "oom": b.oom}
+                    b = min(fit, key=lambda c: c.evaluation.value)
+                    self.heuristic[name] = {"placer": b.name, "step_time": b.evaluation.value, "oom": b.oom}
             self.say(f"baselines for {len(self.tasks)} task(s) in {time.perf_counter() - t:.1f}s")
 
     # ------------------------------------------------------------------ episodes
@@ -211,7 +211,7 @@ class BestPlanCallback(BaseCallback):
                 rep = simulate(task.graph, task.topology, b["plan"], "step_time", timeline=True, validate=False)
             except Exception:  # noqa: BLE001 - a chart must never stop training
                 continue
-            title = f"{name}: {rep.step_time * 1e3:.3g} ms (x{b['speedup']:.2f} vs ref) @ step {b['timestep']}"
+            title = f"{name}: {rep.value * 1e3:.3g} ms (x{b['speedup']:.2f} vs ref) @ step {b['timestep']}"
             out[name] = figure_to_array(gantt_figure(rep, title=title))
         return out
 

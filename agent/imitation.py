@@ -63,7 +63,7 @@ def best_heuristic_plans(tasks: Sequence, objective: str = "step_time", seed: in
         cands = run_baselines(task.graph, task.topology, objective, seed=seed)
         if cands:
             b = min(cands, key=lambda c: (c.oom, c.value))
-            out[task.name] = (b.name, b.plan, float(b.evaluation.step_time), bool(b.oom))
+            out[task.name] = (b.name, b.plan, float(b.evaluation.value), bool(b.oom))
     return out
 
 

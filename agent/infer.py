@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.placers import PLACERS, SEARCH_PLACERS, run_placer
-from agent.placers.common import finished_evaluation, objective_value
+from agent.placers.common import finished_evaluation
 from envs.errors import PlanError, RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.files import one_line
@@ -54,7 +54,7 @@ class Candidate:
     name: str
     kind: str  # "policy", "baseline" or "search"
     plan: Plan
-    value: float  # what candidates are compared by: objective_value of the evaluation
+    value: float  # what candidates are compared by: the evaluation's objective value
     evaluation: EvalResult
     seconds: float = 0.0
 
@@ -74,8 +74,8 @@ class Candidate:
     @classmethod
     def of(cls, name: str, kind: str, plan: Plan, evaluation: EvalResult, objective: str,
            seconds: float = 0.0) -> Candidate:
-        """The candidate of an evaluated plan, valued by :func:`agent.placers.common.objective_value`."""
-        return cls(name=name, kind=kind, plan=plan, value=objective_value(evaluation.step_time, plan, objective),
+        """The candidate of an evaluated plan, valued by its objective value."""
+        return cls(name=name, kind=kind, plan=plan, value=float(evaluation.value),
                    evaluation=evaluation, seconds=seconds)
 
 

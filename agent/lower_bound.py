@@ -27,7 +27,7 @@ bandwidth)`` (the simulator's roofline without the parameter-bytes term and laun
 
 ``lower_bound_any`` (no memory constraint) holds for every plan, including those that run out of memory;
 ``lower_bound`` holds for every plan that fits (and equals ``lower_bound_any`` if none can fit). For
-``throughput`` the value bounds :func:`agent.placers.common.objective_value` (time per global batch).
+``throughput`` the value bounds the simulator's throughput value (time per global batch).
 The property test (tests/test_lower_bound.py) checks both against the simulator on random graphs and
 plans.
 """

@@ -25,7 +25,7 @@ from envs.topology import Topology
 class EvalResult:
     """What an evaluator says about one plan. ``peak_memory`` and ``memory_capacity`` are bytes per device."""
 
-    step_time: float
+    value: float  # the objective's value (envs.sim.StepReport.value), seconds
     peak_memory: np.ndarray
     memory_capacity: np.ndarray
     oom: bool
@@ -84,7 +84,7 @@ class CachedSimulation:
         from envs.sim import simulate
 
         rep = simulate(graph, topology, plan, objective, timeline=False, validate=self.validate)
-        return EvalResult(step_time=float(rep.step_time), peak_memory=np.asarray(rep.peak_memory, dtype=np.float64),
+        return EvalResult(value=float(rep.value), peak_memory=np.asarray(rep.peak_memory, dtype=np.float64),
                           memory_capacity=np.asarray(rep.memory_capacity, dtype=np.float64), oom=bool(rep.is_oom),
                           extra={"makespan": float(rep.makespan)})
 

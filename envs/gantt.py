@@ -35,7 +35,7 @@ def gantt_figure(report: StepReport, title: str = "", max_rows: int = 64):
     ax.set_yticklabels([report.device_names[d] for d in used])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title or f"step {report.step_time * scale:.3g} {unit} ({report.objective})")
+    ax.set_title(title or f"step {report.value * scale:.3g} {unit} ({report.objective})")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig

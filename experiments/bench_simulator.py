@@ -109,14 +109,14 @@ def bench_1t():
         rep = simulate(g, topo, plan, timeline=False, validate=False)
         dt = time.perf_counter() - t1
         # model FLOPs utilisation: 6 x params x tokens (Kaplan et al. 2020) over step time x GPUs x peak
-        mfu = 6 * params * B * s / (rep.step_time * 512 * 312e12)
-        util = megatron_flops / (rep.step_time * 512 * 312e12)
+        mfu = 6 * params * B * s / (rep.value * 512 * 312e12)
+        util = megatron_flops / (rep.value * 512 * 312e12)
         print(f"1T GPT ({params / 1e12:.3f}T params) on 512 A100 (tp8 pp64 dp1, 512 microbatches, recompute "
               f"{rc}): simulate {dt:.2f}s{' (over the 10 s budget)' if dt > 10.0 else ''} ({rep.fast_path}, "
-              f"{rep.num_tasks} stage tasks), step {rep.step_time:.2f}s, "
+              f"{rep.num_tasks} stage tasks), step {rep.value:.2f}s, "
               f"MFU(6PT) {mfu:.1%}, Megatron-formula utilisation {util:.1%} (published 52%), peak memory "
               f"{rep.peak_memory.max() / 1e9:.0f} GB{' OOM' if rep.is_oom else ''}", flush=True)
-        out[rc] = {"simulate_s": dt, "step_time": rep.step_time, "mfu": mfu, "megatron_util": util}
+        out[rc] = {"simulate_s": dt, "step_time": rep.value, "mfu": mfu, "megatron_util": util}
     return out
 
 

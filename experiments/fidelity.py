@@ -212,7 +212,7 @@ def measure_rounds(cands: list, topo: Topology, rounds: int, steps: int, warmup:
                     if rnd == 0:
                         refused.append({"model": spec, "plan": label, "reason": r.extra["reason"][:200]})
                     continue
-                times[i].append(r.step_time)
+                times[i].append(r.value)
             log(f"round {rnd + 1}/{rounds} done ({time.time() - t_start:.0f} s)")
     return times
 

@@ -107,7 +107,7 @@ def predict(samples: list[Sample], topology: Topology) -> np.ndarray:
     """Simulated step time of every sample's plan on ``topology``."""
     from envs.sim import simulate
 
-    return np.array([simulate(s.graph, topology, s.plan, "step_time", timeline=False, validate=False).step_time
+    return np.array([simulate(s.graph, topology, s.plan, "step_time", timeline=False, validate=False).value
                      for s in samples], dtype=np.float64)
 
 

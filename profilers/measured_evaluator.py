@@ -332,11 +332,11 @@ class MeasuredEvaluator:
             if d < rss.size:
                 rss[d] = max(rss[d], mem)
         timed = out["times"][self.warmup:]
-        return EvalResult(step_time=float(statistics.median(timed)),
+        return EvalResult(value=float(statistics.median(timed)),
                           peak_memory=np.asarray(sim.peak_memory, dtype=np.float64),
                           memory_capacity=np.asarray(sim.memory_capacity, dtype=np.float64), oom=bool(sim.is_oom),
                           extra={"measured": True, "refused": False, "step_times": timed,
-                                 "simulated_step_time": float(sim.step_time), "measured_peak_rss": rss,
+                                 "simulated_step_time": float(sim.value), "measured_peak_rss": rss,
                                  "world_size": lay.world_size, "pp": lay.pp, "dp": lay.dp, "tp": lay.tp,
                                  "microbatches": lay.microbatches, "schedule": lay.schedule})
 
@@ -350,9 +350,9 @@ class MeasuredEvaluator:
         peak = np.asarray(sim.peak_memory, dtype=np.float64).copy()
         used = plan.devices_used()
         peak[used] = np.maximum(peak[used], self.refused_overflow * cap[used])
-        return EvalResult(step_time=float(sim.step_time) * self.refused_factor, peak_memory=peak, memory_capacity=cap,
+        return EvalResult(value=float(sim.value) * self.refused_factor, peak_memory=peak, memory_capacity=cap,
                           oom=True, extra={"measured": False, "refused": True, "reason": reason,
-                                           "simulated_step_time": float(sim.step_time)})
+                                           "simulated_step_time": float(sim.value)})
 
     def measure_layout(self, lay: ExecLayout, out_shape: tuple[int, ...]) -> dict[str, Any]:
         """Run one prepared layout on the pool: ``{"times": [...], "memory": [...]}`` (warm-up steps

@@ -343,10 +343,9 @@ def test_resume_continues_step_counter(run):
 
 def _fresh_value(graph, topo, plan, objective: str = "step_time") -> float:
     """The objective value of ``plan`` from a fresh simulation (no evaluator cache)."""
-    from agent.placers.common import objective_value
     from envs.sim import simulate
 
-    return objective_value(simulate(graph, topo, plan, objective, timeline=False).step_time, plan, objective)
+    return simulate(graph, topo, plan, objective, timeline=False).value
 
 
 def test_place_returns_the_best_candidate_as_simulated(run):

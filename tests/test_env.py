@@ -199,7 +199,7 @@ def test_refine_mode_reports_the_best_plan_it_visited(small_tasks):
             seen.append((info["oom"], info["step_time"]))
         assert (info["best_oom"], info["best_step_time"]) == min(seen)
         res = ev.evaluate(env.task.graph, env.task.topology, info["best_plan"])
-        assert np.isclose(res.step_time, info["best_step_time"])
+        assert np.isclose(res.value, info["best_step_time"])
         info["best_plan"].validate(env.task.graph, env.task.topology)
 
 
@@ -267,13 +267,13 @@ def test_colocated_nodes_follow_their_class():
 # ---------------------------------------------------------------------- rewards and evaluator
 def test_plan_reward_and_oom_penalty():
     cap = np.array([10.0, 10.0])
-    ok = EvalResult(step_time=0.5, peak_memory=np.array([5.0, 5.0]), memory_capacity=cap, oom=False)
+    ok = EvalResult(value=0.5, peak_memory=np.array([5.0, 5.0]), memory_capacity=cap, oom=False)
     assert np.isclose(plan_reward(ok, 1.0), np.log(2.0))
-    small = EvalResult(step_time=0.5, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
-    big = EvalResult(step_time=0.5, peak_memory=np.array([40.0, 5.0]), memory_capacity=cap, oom=True)
+    small = EvalResult(value=0.5, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
+    big = EvalResult(value=0.5, peak_memory=np.array([40.0, 5.0]), memory_capacity=cap, oom=True)
     assert np.isclose(plan_reward(small, 1.0), -1 - np.log(1.1))
     assert plan_reward(big, 1.0) < plan_reward(small, 1.0) < -1
-    slow = EvalResult(step_time=4.0, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
+    slow = EvalResult(value=4.0, peak_memory=np.array([11.0, 5.0]), memory_capacity=cap, oom=True)
     assert plan_reward(slow, 1.0) < plan_reward(EvalResult(4.0, np.array([5.0, 5.0]), cap, False), 1.0)
 
 
@@ -298,7 +298,7 @@ def test_cached_simulation_caches_by_plan_key():
     r1 = ev.evaluate(g, topo, single_device_plan(g, topo))
     r2 = ev.evaluate(g, topo, single_device_plan(g, topo))
     assert r1 is r2 and ev.hits == 1 and ev.misses == 1
-    assert r1.step_time > 0 and not r1.oom
+    assert r1.value > 0 and not r1.oom
 
 
 def test_custom_evaluator_is_used(small_tasks):
@@ -308,7 +308,7 @@ def test_custom_evaluator_is_used(small_tasks):
         def evaluate(self, graph, topology, plan, objective="step_time"):
             Flat.calls += 1
             nd = topology.num_devices
-            return EvalResult(step_time=1.0, peak_memory=np.zeros(nd), memory_capacity=np.ones(nd), oom=False)
+            return EvalResult(value=1.0, peak_memory=np.zeros(nd), memory_capacity=np.ones(nd), oom=False)
 
     env = PlacementEnv(small_tasks[:1], evaluator=Flat())
     total, _, info = rollout(env, np.random.default_rng(0))
@@ -406,7 +406,7 @@ def test_graph_policy_trains_on_a_tiny_task():
     info = rollout(model, env, task, deterministic=True)
     info["plan"].validate(task.graph, task.topology)
     res = CachedSimulation().evaluate(env.graph, task.topology, info["group_plan"])
-    assert np.isclose(res.step_time, info["step_time"])
+    assert np.isclose(res.value, info["step_time"])
     assert np.isclose(plan_reward(res, env.reference()["time"]), info["score"])
 
 
@@ -455,7 +455,7 @@ def test_fine_evaluation_of_coarsened_tasks():
     from envs.sim import simulate
 
     rep = simulate(g, preset("dgx-a100-80g"), info["plan"], timeline=False)
-    assert np.isclose(rep.step_time, info["step_time"])
+    assert np.isclose(rep.value, info["step_time"])
 
 
 # ---------------------------------------------------------------------- the observation declaration

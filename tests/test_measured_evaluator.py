@@ -35,7 +35,7 @@ def test_measured_evaluation_is_cached_and_refusals_are_flagged(graph, topo):
         plan = megatron_plan(graph, topo, dp=2, dtype="fp32")
         first = ev.evaluate(graph, topo, plan)
         assert ev.measurements == 1 and first.extra["measured"] and not first.oom
-        assert first.step_time > 0 and len(first.extra["step_times"]) == 2 and first.extra["dp"] == 2
+        assert first.value > 0 and len(first.extra["step_times"]) == 2 and first.extra["dp"] == 2
         again = ev.evaluate(graph, topo, plan.copy())  # same decisions, another object: not re-measured
         assert again is first and ev.measurements == 1 and ev.hits == 1
         single = ev.evaluate(graph, topo, single_device_plan(graph, topo, dtype="fp32"))
@@ -45,7 +45,7 @@ def test_measured_evaluation_is_cached_and_refusals_are_flagged(graph, topo):
         res = ev.evaluate(graph, topo, bad)
         assert ev.measurements == 2  # refused without running anything
         assert res.extra["refused"] and "cuts inside block" in res.extra["reason"]
-        assert res.oom and res.overflow >= 2.0 and np.isfinite(res.step_time)
+        assert res.oom and res.overflow >= 2.0 and np.isfinite(res.value)
         assert ev.pool_starts == 1
 
 

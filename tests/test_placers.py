@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.placers import PLACERS, PlacerError, run_placer
-from agent.placers.common import Budget, objective_value
+from agent.placers.common import Budget
 from envs.examples import transformer_graph
 from envs.graph import OpGraph, chain_graph
 from envs.presets import preset
@@ -49,7 +49,7 @@ def test_every_placer_returns_a_valid_plan(name, tiny_gpt):
         assert PROVENANCE <= set(plan.provenance)
         assert plan.provenance["placer"] == name
         rep = simulate(tiny_gpt, topo, plan, obj, timeline=False)
-        assert plan.provenance["predicted_step_time"] == pytest.approx(objective_value(rep.step_time, plan, obj))
+        assert plan.provenance["predicted_step_time"] == pytest.approx(rep.value)
 
 
 @pytest.mark.parametrize("name", list(PLACERS))
@@ -94,7 +94,7 @@ def brute_force_chain() -> tuple[OpGraph, Topology, float]:
         p = assignment_plan(g, topo, list(assign))
         r = simulate(g, topo, p, timeline=False)
         if not r.is_oom:
-            best = min(best, r.step_time)
+            best = min(best, r.value)
     return g, topo, best
 
 

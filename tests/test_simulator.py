@@ -30,7 +30,7 @@ def test_single_device_is_sum_of_op_times_plus_optimizer(dgx):
     params = 6 * 2e6 / 2
     opt = 2 * params * 16 / (2039e9 * 0.8) + LAUNCH
     expect = 6 * op_time(1e12) + 6 * op_time(2e12) + opt
-    assert r.step_time == pytest.approx(expect, rel=1e-9)
+    assert r.value == pytest.approx(expect, rel=1e-9)
     assert r.comm_time.sum() == 0
 
 
@@ -39,9 +39,9 @@ def test_two_device_chain_is_both_ops_plus_one_transfer(dgx):
     plan = Plan(groups=[(0,), (1,)], layouts=["single", "single"])
     xfer = dgx.p2p_time(0, 1, 1e9)
     lat = simulate(g, dgx, plan, "latency")
-    assert lat.step_time == pytest.approx(2 * op_time(1e12) + xfer, rel=1e-9)
+    assert lat.value == pytest.approx(2 * op_time(1e12) + xfer, rel=1e-9)
     step = simulate(g, dgx, plan)
-    assert step.step_time == pytest.approx(2 * op_time(1e12) + 2 * op_time(1e12) + 2 * xfer, rel=1e-9)
+    assert step.value == pytest.approx(2 * op_time(1e12) + 2 * op_time(1e12) + 2 * xfer, rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -53,7 +53,7 @@ def test_pipeline_closed_form(dgx, schedule, p, m):
     r = simulate(g, dgx, plan)
     tf = op_time(4e12 / m)
     tb = tf  # param-free ops: backward = forward FLOPs
-    assert r.step_time == pytest.approx((m + p - 1) * (tf + tb), rel=0.01)
+    assert r.value == pytest.approx((m + p - 1) * (tf + tb), rel=0.01)
 
 
 def test_1f1b_stashes_fewer_activations_than_gpipe(dgx):
@@ -113,10 +113,10 @@ def test_data_parallel_scaling(dgx):
     assert m8["activations"][0] == pytest.approx(m1["activations"][0] / 8)
     assert dp.compute_time[0] == pytest.approx((one.compute_time[0] - _opt(one)) / 8 + _opt(one), rel=0.1)
     # between perfect overlap of the bucketed gradient all-reduce and none at all
-    ideal = (one.step_time - _opt(one)) / 8 + _opt(one)
+    ideal = (one.value - _opt(one)) / 8 + _opt(one)
     ar = sum(f - s for s, f, lab in zip(dp.task_start, dp.task_finish, dp.task_label) if lab.startswith("grad allreduce"))
     assert ar == pytest.approx(dgx.collective_time("all_reduce", range(8), g.param_bytes.sum()), rel=0.05)
-    assert ideal * (1 - 1e-9) <= dp.step_time <= ideal + ar + 1e-9
+    assert ideal * (1 - 1e-9) <= dp.value <= ideal + ar + 1e-9
     assert dp.comm_time[0] > 0
 
 
@@ -137,16 +137,17 @@ def test_recompute_trades_memory_for_time(dgx):
     base = simulate(g, dgx, megatron_plan(g, dgx, global_batch=8, microbatch_size=8))
     rc = simulate(g, dgx, megatron_plan(g, dgx, global_batch=8, microbatch_size=8, recompute="full"))
     assert rc.peak_memory[0] < base.peak_memory[0]
-    assert rc.step_time > base.step_time
+    assert rc.value > base.value
 
 
-def test_throughput_is_busiest_device_per_microbatch(dgx):
+def test_throughput_is_microbatches_times_busiest_device_per_microbatch(dgx):
     g = chain_graph(4, flops=1e12, act_bytes=1.0, batch_size=4)
     plan = Plan(groups=[(0,), (0,), (1,), (1,)], layouts=["single"] * 4, microbatches=4, global_batch=4)
     r = simulate(g, dgx, plan, "throughput")
     per_op = 2 * op_time(1e12 / 4)
     x = dgx.p2p_time(0, 1, 1.0 / 4)
-    assert r.step_time == pytest.approx(2 * per_op + x, rel=1e-9)
+    assert r.value == pytest.approx(4 * (2 * per_op + x), rel=1e-9)  # per global batch: 4 microbatches
+    assert r.makespan == pytest.approx((4 + 2 - 1) * (2 * per_op + x), rel=1e-9)
 
 
 # ---------------------------------------------------------------------- properties
@@ -164,14 +165,14 @@ def test_properties(case):
     # lower bounds: total work over aggregate throughput; critical path of unsplit ops on the fastest device
     rates = np.array([d.flops(plan.dtype) for d in topo.devices])
     work = (g.fwd_flops + g.bwd_flops).sum()
-    assert r.step_time >= work / rates.sum() * (1 - 1e-9)
+    assert r.value >= work / rates.sum() * (1 - 1e-9)
     if all(lay == "single" for lay in plan.layouts):
         mb = plan.microbatch_size(g) / g.batch_size
         cp, _ = g.critical_path((g.fwd_flops + g.bwd_flops) * mb / rates.max())
-        assert r.step_time >= cp * (1 - 1e-9)
+        assert r.value >= cp * (1 - 1e-9)
     # deterministic
     again = simulate(g, topo, plan)
-    assert again.step_time == r.step_time and (again.peak_memory == r.peak_memory).all()
+    assert again.value == r.value and (again.peak_memory == r.peak_memory).all()
 
 
 # ---------------------------------------------------------------------- structure

@@ -20,7 +20,7 @@ from envs.sim.reference import simulate_reference
 
 def _same(a, b):
     assert a.num_tasks == b.num_tasks
-    assert a.step_time == b.step_time
+    assert a.value == b.value
     np.testing.assert_array_equal(a.peak_memory, b.peak_memory)
     np.testing.assert_array_equal(a.compute_time, b.compute_time)
     np.testing.assert_array_equal(a.comm_time, b.comm_time)
@@ -89,7 +89,7 @@ def test_delta_equals_full_simulation(case, seed):
         cur = cur.copy(groups=groups, layouts=layouts, dp=dp)
         _same(simulate_reference(g, topo, cur), d)
         full = simulate(g, topo, cur, validate=False)
-        assert full.step_time == d.step_time
+        assert full.value == d.value
         pa = d.plan_arrays
     # plan_of round-trips the delta state
     back = sim.plan_of(pa, plan)
@@ -109,18 +109,18 @@ def test_delta_on_transformer_random_placement():
         groups = list(plan.groups)
         groups[v] = (d,)
         plan = plan.copy(groups=groups)
-        assert rep.step_time == simulate(g, topo, plan).step_time
+        assert rep.value == simulate(g, topo, plan).value
 
 
 def test_simulator_cache_notices_changed_graph():
     topo = preset("dgx-a100-80g")
     g = transformer_graph(layers=1, hidden=256, heads=4, seq=64, vocab=100, batch=2)
     plan = megatron_plan(g, topo)
-    a = simulate(g, topo, plan).step_time
+    a = simulate(g, topo, plan).value
     g.fwd_flops *= 2  # edited in place: the cached evaluator must not be reused
-    b = simulate(g, topo, plan).step_time
+    b = simulate(g, topo, plan).value
     assert b > a
-    assert b == simulate_reference(g, topo, plan, timeline=False).step_time
+    assert b == simulate_reference(g, topo, plan, timeline=False).value
 
 
 # ---------------------------------------------------------------------- stage-level fast path
@@ -138,7 +138,7 @@ def test_stage_fast_path_agrees_with_full_task_graph(layers, tp, pp, dp, m, sche
     full = simulate(g, topo, plan, fast_path=False)
     fast = simulate(g, topo, plan, fast_path=True)
     assert full.fast_path == "arrays" and fast.fast_path == "stages"
-    assert fast.step_time == pytest.approx(full.step_time, rel=tol)
+    assert fast.value == pytest.approx(full.value, rel=tol)
     # busy times and memory do not depend on the schedule's details: exact
     np.testing.assert_allclose(fast.compute_time, full.compute_time, rtol=1e-9)
     np.testing.assert_allclose(fast.comm_time, full.comm_time, rtol=1e-9)
@@ -176,5 +176,5 @@ def test_trillion_parameter_gpt_on_512_gpus_takes_the_stage_model():
     rep = simulate(g, topo, plan, timeline=False, validate=False)
     assert rep.fast_path == "stages"  # ~2M operator-level tasks: automatically the stage model
     assert rep.num_tasks == 4 * 64 * 512 + 2 * 63 * 512 + 64  # stage-level tasks: blocks, transfers, tails
-    mfu = 6 * params * 512 * 2048 / (rep.step_time * 512 * 312e12)
+    mfu = 6 * params * 512 * 2048 / (rep.value * 512 * 312e12)
     assert 0.3 < mfu < 0.7  # measured ~50%; Megatron-LM reports 52% for 1T on 3072 A100s (SC'21)

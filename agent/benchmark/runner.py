@@ -129,7 +129,7 @@ def _write_best_plans(results: dict[str, CaseResult], out: Path, gantt: bool) ->
             rep = simulate(res.graph, res.topology, plan, "step_time", timeline=True)
             save_gantt(rep, out / "gantt" / f"{slug(name)}.png",
                        title=f"{name}: best plan ({plan.provenance.get('placer')}), step_time timeline "
-                             f"{rep.step_time * 1e3:.3g} ms")
+                             f"{rep.value * 1e3:.3g} ms")
     for name, res in best.items():
         res.best[1].save(out / "plans" / f"{slug(name)}.json")
 

@@ -45,7 +45,7 @@ def place_cmd(
     print_comparison(res, objective, console=con)
     rep = winner_timeline(res, g, topo, objective)
     write_plan_and_chart(res.plan, str(out), rep, str(png),
-                         title=f"{g.name} on {topo.name}: {res.best.name} ({format_time(rep.step_time)})")
+                         title=f"{g.name} on {topo.name}: {res.best.name} ({format_time(rep.value)})")
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
 
 

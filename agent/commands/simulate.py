@@ -66,16 +66,16 @@ def simulate_cmd(
         for c in ("plan", "time", "peak memory / device", "OOM", "busiest compute", "busiest comm"):
             t.add_column(c)
         for name, r in reports.items():
-            t.add_row(name, format_time(r.step_time), f"{r.peak_memory.max() / 1e9:.2f} GB",
+            t.add_row(name, format_time(r.value), f"{r.peak_memory.max() / 1e9:.2f} GB",
                       "yes" if r.oom else "no", format_time(float(r.compute_time.max())),
                       format_time(float(r.comm_time.max())))
         con.print(t)
-    name, report = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].step_time))
+    name, report = min(reports.items(), key=lambda kv: (kv[1].is_oom, kv[1].value))
     chosen = plans[name]
-    chosen.provenance.update({"predicted_step_time": report.step_time, "objective": objective,
+    chosen.provenance.update({"predicted_step_time": report.value, "objective": objective,
                               "peak_memory": [float(x) for x in report.peak_memory], "name": name})
     timeline = report if report.objective != "throughput" else simulate(g, topo, chosen, "step_time")
-    title = f"{g.name} on {topo.name}: {name} ({format_time(timeline.step_time)})"
+    title = f"{g.name} on {topo.name}: {name} ({format_time(timeline.value)})"
     write_plan_and_chart(chosen, save_plan, timeline if gantt else None, gantt, title)
     if not as_json:
         if save_plan:

@@ -8,7 +8,7 @@
 need far less than any sensible budget). Every returned plan is validated against its graph and
 topology, respects co-location classes and layout capabilities, and carries provenance
 ``{"placer", "seed", "objective", "predicted_step_time", "peak_memory", "oom", "evaluations",
-"planning_seconds", ...}``. ``predicted_step_time`` is :func:`~agent.placers.common.objective_value` (for the
+"planning_seconds", ...}``. ``predicted_step_time`` is the simulator's objective value (for the
 throughput objective: steady-state time per global batch).
 """
 

@@ -1,11 +1,10 @@
 """What every placer shares: budgets, a caching scorer, the graph's placement constraints, and the
 helpers that turn a device assignment into a valid Plan.
 
-The objective value a placer minimises is :func:`objective_value`: the simulator's ``step_time`` for the
-``step_time`` and ``latency`` objectives, and for ``throughput`` the steady-state time per *global
-batch* (the simulator's per-microbatch max-load times the number of microbatches), so that plans with
-different microbatch counts compare fairly. For the dnn-partitioning workloads (one sample, one
-microbatch) it equals the paper's max-load.
+A placer minimises the simulator's objective value (``StepReport.value``): the step time, the latency,
+or for ``throughput`` the steady-state time per global batch, so that plans with different microbatch
+counts compare fairly (for the dnn-partitioning workloads, one sample in one microbatch, the paper's
+max-load).
 """
 
 from __future__ import annotations
@@ -80,17 +79,11 @@ def plan_defaults(graph: OpGraph) -> dict:
     return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
 
 
-def objective_value(step_time: float, plan: Plan, objective: str) -> float:
-    """The value placers (and :func:`agent.infer.place`) minimise: the simulator's ``step_time``, or for
-    the throughput objective the time per global batch (see the module docstring)."""
-    return float(step_time) * (plan.microbatches if objective == "throughput" else 1)
-
-
 @dataclass
 class Outcome:
     """What the Scorer says about one plan: its objective value and the evaluation it came from."""
 
-    value: float  # objective_value of the evaluation
+    value: float  # the evaluation's objective value
     oom: bool
     overflow: float  # worst device's peak / capacity
     peak_memory: float  # bytes, worst device
@@ -134,7 +127,7 @@ class Scorer:
         res = self.evaluator.evaluate(self.graph, self.topology, plan, self.objective)
         if self.evaluator.hits == hits:
             self.evaluations += 1
-        out = Outcome(objective_value(res.step_time, plan, self.objective), bool(res.oom), res.overflow,
+        out = Outcome(float(res.value), bool(res.oom), res.overflow,
                       float(res.peak_memory.max()) if res.peak_memory.size else 0.0, res)
         if self.best is None or out.key() < self.best[0].key():
             self.best = (out, plan)

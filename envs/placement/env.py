@@ -272,8 +272,8 @@ class PlacementEnv(gym.Env):
             reward = s - self._reward_now
             self._reward_now = s
             final = (res, s)
-            info_extra.update({"score": s, "step_time": float(res.step_time), "oom": bool(res.oom)})
-            key = (bool(res.oom), float(res.step_time))
+            info_extra.update({"score": s, "step_time": float(res.value), "oom": bool(res.oom)})
+            key = (bool(res.oom), float(res.value))
             if self._best_visit is None or key < self._best_visit[0]:
                 self._best_visit = (key, self._assign.copy(), res)
         elif done:
@@ -294,7 +294,7 @@ class PlacementEnv(gym.Env):
         if done:
             res, s = final
             plan, full = self._plans_of(self._assign, res)
-            info.update({"step_time": float(res.step_time), "ref_time": self._ref["time"],
+            info.update({"step_time": float(res.value), "ref_time": self._ref["time"],
                          "ref_plan": self._ref["plan"], "score": s, "peak_memory": res.peak_memory.copy(),
                          "memory_capacity": res.memory_capacity.copy(), "oom": bool(res.oom), "plan": full,
                          "plan_json": full.to_dict(), "group_plan": plan})
@@ -410,7 +410,7 @@ class PlacementEnv(gym.Env):
         """(plan on groups, plan on operators with the evaluation in its provenance) of an assignment."""
         plan = self._assignment_plan(assign)
         full = self._p.expand(plan)
-        full.provenance.update({"predicted_step_time": float(res.step_time), "objective": self.objective,
+        full.provenance.update({"predicted_step_time": float(res.value), "objective": self.objective,
                                 "predicted_peak_memory": [float(x) for x in res.peak_memory]})
         return plan, full
 

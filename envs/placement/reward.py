@@ -16,7 +16,7 @@ from envs.evaluator import EvalResult
 
 def plan_reward(result: EvalResult, ref_time: float) -> float:
     """The reward of a plan evaluated as ``result`` on a task whose reference time is ``ref_time``."""
-    t = max(float(result.step_time), 1e-30)
+    t = max(float(result.value), 1e-30)
     s = float(np.log(ref_time / t))
     if result.oom:
         return -1.0 - float(np.log(max(result.overflow, 1.0))) + min(0.0, s)

@@ -301,9 +301,9 @@ def reference(prep: PreparedTask, scoring: Scoring) -> dict:
     results = {k: scoring.evaluator.evaluate(g, topo, pl, scoring.objective) for k, pl in plans.items()}
     fitting = {k: r for k, r in results.items() if not r.oom}
     pool = fitting or results
-    name = min(pool, key=lambda k: pool[k].step_time)
-    prep.ref = {"time": float(pool[name].step_time), "plan": name, "oom": not fitting,
-                "times": {k: float(r.step_time) for k, r in results.items()}}
+    name = min(pool, key=lambda k: pool[k].value)
+    prep.ref = {"time": float(pool[name].value), "plan": name, "oom": not fitting,
+                "times": {k: float(r.value) for k, r in results.items()}}
     return prep.ref
 
 

@@ -32,8 +32,8 @@ def simulate(graph: OpGraph, topology: Topology, plan: Plan, objective: str = "s
              timeline: bool = True, validate: bool = True, fast_path: bool | None = None) -> StepReport:
     """Predict the step time and peak memory of ``plan`` for ``graph`` on ``topology``.
 
-    objective: ``step_time`` (one training step), ``throughput`` (steady-state time per microbatch:
-    the busiest device's per-microbatch load of compute plus communication; for the dnn-partitioning
+    objective: ``step_time`` (one training step), ``throughput`` (steady-state time per global batch:
+    the microbatches times the busiest device's per-microbatch load of compute plus communication; for the dnn-partitioning
     workloads this is Tarnawski et al.'s max-load), ``latency`` (one sample, forward only).
 
     The task graph is built by the compiled builder (:func:`compiled_simulator`, cached per graph and

@@ -637,7 +637,7 @@ class CompiledSimulator:
             labels = LazyLabels(lambda: self._labels(pa, groups.producer, groups.signature, ta["labels"],
                                                      ta["s_tptr"], extra.labels))
         return StepReport(
-            objective=pa.objective, step_time=makespan, makespan=makespan, compute_time=compute, comm_time=commt,
+            objective=pa.objective, value=makespan, makespan=makespan, compute_time=compute, comm_time=commt,
             idle_time=np.maximum(makespan - compute, 0.0), peak_memory=total, memory_capacity=mem["capacity"],
             oom=oom, memory_breakdown=mem, task_start=start if tl else None, task_finish=finish if tl else None,
             task_device_ptr=dev_ptr if tl else None, task_devices=dev_idx if tl else None,

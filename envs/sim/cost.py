@@ -37,8 +37,8 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel bucke
 @dataclass
 class StepReport:
     objective: str
-    step_time: float  # the objective's value in seconds (step time, time per microbatch, or latency)
-    makespan: float  # simulated wall time of the schedule (== step_time for step_time / latency)
+    value: float  # the objective's value, seconds: step time, steady-state time per global batch, or latency
+    makespan: float  # simulated wall time of the schedule (== value for step_time / latency)
     compute_time: np.ndarray  # per device: busy computing (s)
     comm_time: np.ndarray  # per device: busy sending or receiving (s)
     idle_time: np.ndarray  # per device: makespan - compute
@@ -76,7 +76,7 @@ class StepReport:
         return rows
 
     def to_dict(self) -> dict:
-        return {"objective": self.objective, "step_time_s": self.step_time, "makespan_s": self.makespan,
+        return {"objective": self.objective, "value_s": self.value, "makespan_s": self.makespan,
                 "peak_memory_bytes": [float(x) for x in self.peak_memory],
                 "memory_capacity_bytes": [float(x) for x in self.memory_capacity],
                 "oom": bool(self.oom), "oom_devices": [self.device_names[d] for d in self.oom],

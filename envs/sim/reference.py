@@ -313,7 +313,7 @@ def _schedule_and_report(s: _Step, T: _TaskGraph, want_timeline: bool) -> StepRe
     oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]
     tl = want_timeline
     return StepReport(
-        objective=s.objective, step_time=makespan, makespan=makespan, compute_time=compute, comm_time=commt,
+        objective=s.objective, value=makespan, makespan=makespan, compute_time=compute, comm_time=commt,
         idle_time=np.maximum(makespan - compute, 0.0), peak_memory=total, memory_capacity=mem["capacity"],
         oom=oom, memory_breakdown=mem, task_start=start if tl else None, task_finish=finish if tl else None,
         task_device_ptr=dev_ptr if tl else None, task_devices=dev_idx if tl else None,

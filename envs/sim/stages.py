@@ -88,7 +88,7 @@ def stage_simulate(graph: OpGraph, topology: Topology, plan: Plan, ss: StageStru
     mem = full.memory(pa, stg, pp_)
     total = mem["total"]
     oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]
-    rep = StepReport(objective="step_time", step_time=makespan, makespan=makespan, compute_time=compute,
+    rep = StepReport(objective="step_time", value=makespan, makespan=makespan, compute_time=compute,
                      comm_time=commt, idle_time=np.maximum(makespan - compute, 0.0), peak_memory=total,
                      memory_capacity=mem["capacity"], oom=oom, memory_breakdown=mem,
                      device_names=full.device_names, num_tasks=sg.nt, fast_path="stages")

@@ -1,4 +1,5 @@
-"""The throughput objective: steady-state time per microbatch as the busiest device's load (no schedule).
+"""The throughput objective: steady-state time per global batch, from the busiest device's load per
+microbatch times the number of microbatches (no schedule).
 
 Imports only :mod:`envs.sim.cost` (and envs.graph/plan/topology).
 """
@@ -14,7 +15,9 @@ from envs.topology import Topology
 
 
 def simulate_throughput(graph: OpGraph, topology: Topology, plan: Plan) -> StepReport:
-    """Steady-state time per microbatch: max over devices of per-microbatch compute + communication.
+    """Steady-state time per global batch: the number of microbatches times the busiest device's
+    per-microbatch compute + communication (with one microbatch, as in the dnn-partitioning workloads,
+    the max-load itself).
 
     A producer u whose tensor goes to other devices adds its transfer time once to its own device and
     once to each other device that consumes it (Tarnawski et al., NeurIPS 2020, "max-load"); devices
@@ -34,13 +37,14 @@ def simulate_throughput(graph: OpGraph, topology: Topology, plan: Plan) -> StepR
     load_m = np.zeros(nd)
     _transfer_load(graph, plan, comm, scale, pays, load_m)
     _collective_load(graph, plan, comm, scale, pays, load_m)
-    load = load_c + load_m
-    value = float(load.max()) if nd else 0.0
+    load = (load_c + load_m) * m  # per global batch
+    per_mb = float(load.max()) / m if nd else 0.0
+    value = per_mb * m
     mem = memory(graph, topology, plan, stage, p, "step_time")
     total = mem["total"]
     oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]
-    return StepReport(objective="throughput", step_time=value, makespan=value * (m + p - 1), compute_time=load_c,
-                      comm_time=load_m, idle_time=np.maximum(value - load, 0.0), peak_memory=total,
+    return StepReport(objective="throughput", value=value, makespan=per_mb * (m + p - 1), compute_time=load_c * m,
+                      comm_time=load_m * m, idle_time=np.maximum(value - load, 0.0), peak_memory=total,
                       memory_capacity=mem["capacity"], oom=oom, memory_breakdown=mem,
                       device_names=[d.name for d in topology.devices])
 
