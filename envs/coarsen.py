@@ -652,6 +652,7 @@ def coarse_graph(graph: OpGraph, group_of: np.ndarray, num_groups: int | None = 
         edge_src=uniq // k if k else uniq, edge_dst=uniq % k if k else uniq, edge_bytes=edge_bytes,
         edge_time=edge_time, batch_size=graph.batch_size, dtype=graph.dtype,
         name=f"{graph.name}/coarse{k}", meta=meta,
+        gemm_node=group_of[graph.gemm_node], gemm_shape=graph.gemm_shape, gemm_kind=graph.gemm_kind,
     )
 
 

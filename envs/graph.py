@@ -18,7 +18,9 @@ import numpy as np
 from envs.errors import GraphError
 
 FORMAT = "rlplace.opgraph"
-VERSION = 2  # 2: layout_caps has the CAN_REPLICATE bit (version-1 files load with it set where caps != 0)
+VERSION = 3  # 2: layout_caps has the CAN_REPLICATE bit (version-1 files load with it set where caps != 0);
+# 3: nodes may list the matrix multiplies they run ("gemms", the cost model's shapes); older files load without
+GEMM_DENSE, GEMM_PER_HEAD = 0, 1  # how a GEMM's shape follows the samples and the tensor-parallel split
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 # Layout capability bits per node (see envs/plan.py for what each layout means). ``single`` is always
@@ -35,7 +37,8 @@ WEIGHTED_SPLITTABLE = {"linear", "matmul", "addmm", "mm", "bmm", "embedding", "c
 # Weightless ops that work per feature / per head and so run on a feature-sharded tensor.
 SHARDABLE_ELEMENTWISE = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "add", "mul", "sub", "div",
                          "attention", "sdpa", "softmax_heads", "rotary", "elementwise", "act", "glu",
-                         "batchnorm", "pool", "maxpool", "avgpool"}
+                         "batchnorm", "pool", "maxpool", "avgpool",
+                         "cross_entropy"}  # vocab-parallel cross-entropy on vocab-sharded logits (Megatron-LM)
 
 
 def default_layout_caps(kind: str, has_params: bool) -> int:
@@ -118,6 +121,14 @@ class OpGraph:
     n_ops: np.ndarray | None = None  # operators a (coarse) node stands for: launch overheads
     measured: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # kind -> {"fwd","bwd"} s
     edge_time: np.ndarray | None = None  # measured transfer time per edge (s), overrides bytes/bandwidth
+    # the matrix multiplies of the nodes (the cost model times them by shape), sorted by node: the node of
+    # each GEMM, its shape (m, n, k, batch) at the traced batch, and its kind: GEMM_DENSE (m grows with the
+    # samples; a column split divides n, a row split k: linears, convolutions as implicit GEMMs) or
+    # GEMM_PER_HEAD (batch = samples x heads grows with the samples and a split divides the heads: the
+    # batched matmuls inside attention). Empty: every node is timed by the roofline of its FLOPs and bytes.
+    gemm_node: np.ndarray | None = None
+    gemm_shape: np.ndarray | None = None
+    gemm_kind: np.ndarray | None = None
     batch_size: int = 1
     dtype: str = "bf16"
     name: str = "graph"
@@ -153,6 +164,7 @@ class OpGraph:
         if self.layout_caps is None:
             self.layout_caps = [default_layout_caps(k, p > 0) for k, p in zip(self.kinds, self.param_bytes)]
         self.layout_caps = _as_i64(self.layout_caps, n, "layout_caps")
+        self._init_gemms()
         self.measured = {
             str(k): {ph: _as_f64(v[ph], n, f"measured[{k}][{ph}]") for ph in ("fwd", "bwd")}
             for k, v in (self.measured or {}).items()
@@ -171,6 +183,37 @@ class OpGraph:
             self.mem_bytes = in_bytes + self.out_bytes + self.param_bytes
         self.mem_bytes = _as_f64(self.mem_bytes, n, "mem_bytes")
         _check_range(self.mem_bytes, self.names, "mem_bytes", 0.0, MAX_BYTES * 4)
+
+    def _init_gemms(self) -> None:
+        node = _as_i64(np.zeros(0) if self.gemm_node is None else self.gemm_node, None, "gemm_node")
+        g = node.shape[0]
+        shape = np.zeros((0, 4)) if self.gemm_shape is None else self.gemm_shape
+        try:
+            shape = np.asarray(shape, dtype=np.float64).reshape(g, 4)
+        except (TypeError, ValueError):
+            raise GraphError(f"gemm_shape must be {g} rows of (m, n, k, batch)") from None
+        kind = _as_i64(np.zeros(g) if self.gemm_kind is None else self.gemm_kind, g, "gemm_kind")
+        if g:
+            if node.min() < 0 or node.max() >= len(self.names):
+                raise GraphError("gemm_node names a node that does not exist")
+            bad = np.flatnonzero(~np.isfinite(shape).all(axis=1) | (shape < 1).any(axis=1) | (shape > 1e12).any(axis=1))
+            if bad.size:
+                raise GraphError(f"node {self.names[int(node[bad[0]])]!r}: GEMM shape {shape[bad[0]].tolist()} "
+                                 "(m, n, k, batch must be finite, >= 1 and <= 1e12)")
+            if not np.isin(kind, (GEMM_DENSE, GEMM_PER_HEAD)).all():
+                raise GraphError("gemm_kind must be 0 (dense) or 1 (per head)")
+            order = np.argsort(node, kind="stable")
+            node, shape, kind = node[order], shape[order], kind[order]
+        self.gemm_node, self.gemm_shape, self.gemm_kind = node, shape, kind
+
+    @property
+    def num_gemms(self) -> int:
+        return int(self.gemm_node.shape[0])
+
+    def gemms_of(self, v: int) -> list[tuple[float, float, float, float, int]]:
+        """The GEMMs of node ``v`` as (m, n, k, batch, kind) at the traced batch."""
+        lo, hi = np.searchsorted(self.gemm_node, [v, v + 1])
+        return [(*map(float, self.gemm_shape[i]), int(self.gemm_kind[i])) for i in range(lo, hi)]
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -401,6 +444,8 @@ class OpGraph:
             if self.measured:
                 d["measured"] = {k: [float(v["fwd"][i]), float(v["bwd"][i])] for k, v in self.measured.items()}
             nodes.append(d)
+        for v, shape, kind in zip(self.gemm_node.tolist(), self.gemm_shape.tolist(), self.gemm_kind.tolist()):
+            nodes[v].setdefault("gemms", []).append([*shape, int(kind)])
         edges = [[int(s), int(t), float(b)] for s, t, b in zip(self.edge_src, self.edge_dst, self.edge_bytes)]
         if self.edge_time is not None:
             for e, t in zip(edges, self.edge_time):
@@ -443,6 +488,7 @@ class OpGraph:
                                      f"[0, {hi if hi is not None else len(nodes) - 1:g}]")
         if len(lens) > 1:
             raise GraphError(f"{where}edges: give every edge a time or none (found edges of lengths {sorted(lens)})")
+        gemm_rows = [(v, g) for v, nd in enumerate(nodes) for g in nd.gemms]
         caps = [nd.layout_caps for nd in nodes] if all(nd.layout_caps is not None for nd in nodes) else None
         if caps is not None and doc.version < 2:
             caps = [c | CAN_REPLICATE if c else c for c in caps]
@@ -458,6 +504,8 @@ class OpGraph:
                 edge_dst=np.array([e[1] for e in edges], dtype=np.int64),
                 edge_bytes=[e[2] for e in edges], edge_time=[e[3] for e in edges] if lens == {4} else None,
                 batch_size=doc.batch_size, dtype=doc.dtype, name=doc.name, meta=dict(doc.meta),
+                gemm_node=[v for v, _ in gemm_rows], gemm_shape=[g[:4] for _, g in gemm_rows] or np.zeros((0, 4)),
+                gemm_kind=np.array([g[4] for _, g in gemm_rows], dtype=np.float64),
             )
         except GraphError as exc:
             raise GraphError(f"{where}{exc}") from None
@@ -518,10 +566,25 @@ class GraphBuilder:
         self.src: list[int] = []
         self.dst: list[int] = []
         self.edge_bytes: list[float] = []
+        self.n_ops: list[int] = []
+        self.mem: dict[int, float] = {}
+        self.caps: dict[int, int] = {}
+        self.gemms: list[tuple[int, tuple[float, float, float, float], int]] = []
 
     def node(self, name: str, kind: str, module: str, flops: float, param_bytes: float, out_bytes: float,
-             inputs: Sequence[int] = (), in_bytes: float | None = None) -> int:
+             inputs: Sequence[int] = (), in_bytes: float | None = None, *, n_ops: int = 1,
+             gemms: Sequence[tuple] = (), mem_bytes: float | None = None, caps: int | None = None) -> int:
+        """Add a node; ``gemms``: its matrix multiplies as (m, n, k, batch, kind) (see OpGraph.gemm_node),
+        ``n_ops`` its kernels, ``mem_bytes`` the bytes it moves (default: inputs + output + weights),
+        ``caps`` its layout capabilities (default: by kind)."""
         idx = len(self.names)
+        self.n_ops.append(int(n_ops))
+        for gm in gemms:
+            self.gemms.append((idx, tuple(float(x) for x in gm[:4]), int(gm[4]) if len(gm) > 4 else GEMM_DENSE))
+        if mem_bytes is not None:
+            self.mem[idx] = float(mem_bytes)
+        if caps is not None:
+            self.caps[idx] = int(caps)
         self.names.append(name)
         self.kinds.append(kind)
         self.modules.append(module)
@@ -536,7 +599,24 @@ class GraphBuilder:
 
     def build(self, **kwargs) -> OpGraph:
         """The OpGraph; ``kwargs`` go to OpGraph (batch_size, dtype, name, ...)."""
+        n = len(self.names)
+        params = np.array(self.params)
+        mem = None
+        if self.mem:
+            in_bytes = np.zeros(n)
+            np.add.at(in_bytes, np.array(self.dst, dtype=np.int64), np.array(self.edge_bytes))
+            mem = in_bytes + np.array(self.outs) + params
+            for i, b in self.mem.items():
+                mem[i] = b
+        caps = None
+        if self.caps:
+            caps = np.array([self.caps.get(i, default_layout_caps(k, p > 0))
+                             for i, (k, p) in enumerate(zip(self.kinds, self.params))], dtype=np.int64)
         return OpGraph(names=self.names, kinds=self.kinds, module_paths=self.modules,
-                       fwd_flops=np.array(self.flops), param_bytes=np.array(self.params),
+                       fwd_flops=np.array(self.flops), param_bytes=params,
                        out_bytes=np.array(self.outs), edge_src=np.array(self.src, dtype=np.int64),
-                       edge_dst=np.array(self.dst, dtype=np.int64), edge_bytes=np.array(self.edge_bytes), **kwargs)
+                       edge_dst=np.array(self.dst, dtype=np.int64), edge_bytes=np.array(self.edge_bytes),
+                       n_ops=np.array(self.n_ops, dtype=np.int64), mem_bytes=mem, layout_caps=caps,
+                       gemm_node=np.array([g[0] for g in self.gemms], dtype=np.int64),
+                       gemm_shape=np.array([g[1] for g in self.gemms]).reshape(-1, 4),
+                       gemm_kind=np.array([g[2] for g in self.gemms], dtype=np.int64), **kwargs)

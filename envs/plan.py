@@ -330,6 +330,27 @@ def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None
     return stage
 
 
+def layer_stages(graph: OpGraph, pp: int) -> np.ndarray | None:
+    """Megatron-LM's pipeline split: the repeated layers evenly over ``pp`` stages (layers % pp == 0), what
+    comes before the first layer (the embedding) on the first stage, what comes after the last (the final
+    norm, the output layer, the loss) on the last; None when the graph has no layers or they do not divide."""
+    lid = layer_ids(graph)
+    layers = sorted({int(x) for x in lid if x >= 0})
+    if not layers or len(layers) % pp:
+        return None
+    per = len(layers) // pp
+    rank = {L: i for i, L in enumerate(layers)}
+    stage = np.zeros(graph.num_nodes, dtype=np.int64)
+    seen_layer = False
+    for v in graph.topological_order().tolist():
+        if lid[v] >= 0:
+            stage[v] = rank[int(lid[v])] // per
+            seen_layer = True
+        else:
+            stage[v] = pp - 1 if seen_layer else 0
+    return stage
+
+
 def megatron_layouts(graph: OpGraph) -> list[str]:
     """Megatron tensor-parallel layouts: a weighted op fed by a sharded tensor is row-split, otherwise
     column-split; weightless per-feature ops stay sharded between them; everything else replicated;
@@ -370,7 +391,8 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
     if gb % (mbs * dp):
         raise PlanError(f"global batch {gb} is not a multiple of microbatch size {mbs} x dp {dp}")
     m = gb // mbs // dp
-    stage = contiguous_stages(graph, pp)
+    even = layer_stages(graph, pp)
+    stage = even if even is not None else contiguous_stages(graph, pp)
     layouts = megatron_layouts(graph) if tp > 1 else ["replicate"] * graph.num_nodes
     width = tp * dp
     groups, dps, lays = [], [], []

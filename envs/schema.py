@@ -73,6 +73,9 @@ class GraphNodeDoc(_Doc):
     colocation: _int(-1, 10**9) = -1
     n_ops: _int(0, LIMITS["n_ops"]) = 1
     measured: dict[Name, Annotated[list[Seconds], Field(min_length=2, max_length=2)]] = Field(default_factory=dict)
+    # matrix multiplies: [m, n, k, batch, kind] (kind 0 dense, 1 per head; see envs.graph.OpGraph.gemm_node)
+    gemms: list[Annotated[list[Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False, strict=True)]],
+                          Field(min_length=5, max_length=5)]] = Field(default_factory=list)
 
 
 # [source index, destination index, bytes] or [..., bytes, measured seconds]; the indices' integrality
@@ -104,6 +107,11 @@ class DeviceDoc(_Doc):
     mem_eff: Fraction = 0.8
     launch_overhead: _num(0.0, LIMITS["latency"]) = 5e-6
     pays_comm: Annotated[bool, Field(strict=True)] = True
+    sm_count: _int(0, 100_000) = 0
+    gemm_tile: _int(1, 100_000) = 128
+    host_overhead: _num(0.0, LIMITS["latency"]) = 0.0
+    comm_overhead: _num(0.0, LIMITS["latency"]) = 0.0
+    p2p_overhead: _num(0.0, LIMITS["latency"]) = 0.0
     count: _int(1, 10**9) = 1
 
 

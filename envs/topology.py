@@ -55,8 +55,13 @@ class Device:
     host: int = 0
     compute_eff: float = 0.7  # achieved / peak FLOP/s on large kernels
     mem_eff: float = 0.8  # achieved / peak memory bandwidth
-    launch_overhead: float = 5e-6  # s per kernel
+    launch_overhead: float = 5e-6  # s per kernel on the device (its fixed start-up and tail time)
     pays_comm: bool = True  # False for hosts whose transfers the peer's DMA engine drives (dnn-partitioning CPUs)
+    sm_count: int = 0  # streaming multiprocessors (GEMM wave quantisation); 0: not modelled
+    gemm_tile: int = 128  # output tile edge of the GEMM kernels (cuBLAS' large bf16 tiles are 128 x 128)
+    host_overhead: float = 0.0  # s of host (framework) time to issue one kernel; 0: the host never limits
+    comm_overhead: float = 0.0  # s of host time to issue one collective (NCCL call through the framework)
+    p2p_overhead: float = 0.0  # s of host time per point-to-point transfer (the pipeline engine's send/recv)
 
     def flops(self, dtype: str = "bf16") -> float:
         """Achievable FLOP/s for ``dtype`` (falls back to fp32, then to the largest listed)."""
@@ -92,8 +97,14 @@ def _check_device(d: Device) -> None:
         v = getattr(d, attr)
         if not (0 < v <= 1):
             raise TopologyError(f"device {d.name!r}: {attr} must be in (0, 1], got {v}")
-    if not (math.isfinite(d.launch_overhead) and 0 <= d.launch_overhead <= 1.0):
-        raise TopologyError(f"device {d.name!r}: launch_overhead must be in [0, 1] s, got {d.launch_overhead}")
+    for attr in ("launch_overhead", "host_overhead", "comm_overhead", "p2p_overhead"):
+        v = getattr(d, attr)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1.0):
+            raise TopologyError(f"device {d.name!r}: {attr} must be in [0, 1] s, got {v}")
+    for attr, lo in (("sm_count", 0), ("gemm_tile", 1)):
+        v = getattr(d, attr)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= 100_000:
+            raise TopologyError(f"device {d.name!r}: {attr} must be an integer in [{lo}, 100000], got {v!r}")
     if isinstance(d.host, bool) or not isinstance(d.host, (int, np.integer)) or d.host < 0:
         raise TopologyError(f"device {d.name!r}: host must be an integer >= 0, got {d.host!r}")
     if not isinstance(d.name, str) or not isinstance(d.kind, str):

@@ -84,9 +84,11 @@ _SIM_TOPOLOGIES: dict = {}
 
 
 def simulation_cases():
-    """A hypothesis strategy of random (graph, topology, plan): 2-14 ops with short-range edges, on one
-    of four preset topologies, each op single / batch-split / column- or row-split on 1, 2 or 4
-    devices, 1 or 2 microbatches, GPipe or 1F1B (tests/test_simulator*.py)."""
+    """A hypothesis strategy of random (graph, topology, plan): 2-14 ops with short-range edges (linears
+    timed by their GEMM shapes half of the time), on one of five topologies (four presets and a PCIe box
+    whose hosts issue the work: host, collective and transfer overheads and wave quantisation), each op
+    single / batch-split / column- or row-split on 1, 2 or 4 devices, recomputed or not, 1 or 2
+    microbatches, GPipe or 1F1B (tests/test_simulator*.py)."""
     from hypothesis import strategies as st
 
     from envs.graph import OpGraph
@@ -95,6 +97,12 @@ def simulation_cases():
 
     if not _SIM_TOPOLOGIES:
         _SIM_TOPOLOGIES.update({name: preset(name) for name in ("dgx-a100-80g", "dgx1-v100", "pcie-4gpu", "hetero")})
+        hosted = preset("pcie-4gpu")
+        for i, d in enumerate(hosted.devices):
+            d.host_overhead, d.comm_overhead, d.p2p_overhead, d.sm_count = 2e-5 * (1 + i % 2), 3e-5, 1e-4, 108
+        from envs.topology import Topology
+
+        _SIM_TOPOLOGIES["pcie-4gpu-hosted"] = Topology(hosted.devices, hosted.links, hosted.switches, name="hosted")
     topos = _SIM_TOPOLOGIES
 
     @st.composite
@@ -103,10 +111,14 @@ def simulation_cases():
         edges = sorted({(i, j) for i in range(n) for j in range(i + 1, n) if draw(st.booleans()) and j - i <= 3})
         flops = draw(st.lists(st.floats(1e8, 1e12), min_size=n, max_size=n))
         params = draw(st.lists(st.sampled_from([0.0, 1e5, 1e7]), min_size=n, max_size=n))
+        shapes = draw(st.booleans())
+        gemm = [(v, (8.0 * 64, 2048.0, max(1.0, p / 2 / 2048), 1.0)) for v, p in enumerate(params) if p and shapes]
         g = OpGraph(names=[f"n{i}" for i in range(n)], kinds=["linear" if p else "relu" for p in params],
                     fwd_flops=flops, param_bytes=params, out_bytes=[1e6] * n,
                     edge_src=[a for a, _ in edges], edge_dst=[b for _, b in edges], edge_bytes=[1e6] * len(edges),
-                    batch_size=8)
+                    batch_size=8, n_ops=draw(st.lists(st.integers(1, 4), min_size=n, max_size=n)),
+                    gemm_node=[v for v, _ in gemm], gemm_shape=[s for _, s in gemm] or None,
+                    gemm_kind=[v % 2 for v, _ in gemm])
         topo = topos[draw(st.sampled_from(sorted(topos)))]
         nd = topo.num_devices
         groups, layouts = [], []
@@ -123,7 +135,8 @@ def simulation_cases():
                 groups.append(tuple(range(start, start + size)))
             layouts.append(lay)
         m = draw(st.sampled_from([1, 2]))
-        plan = Plan(groups=groups, layouts=layouts, microbatches=m,
+        rc = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if draw(st.booleans()) else None
+        plan = Plan(groups=groups, layouts=layouts, microbatches=m, recompute=rc,
                     schedule=draw(st.sampled_from(["gpipe", "1f1b"])), global_batch=8)
         return g, topo, plan
 

@@ -115,7 +115,8 @@ def test_data_parallel_scaling(dgx):
     # between perfect overlap of the bucketed gradient all-reduce and none at all
     ideal = (one.value - _opt(one)) / 8 + _opt(one)
     ar = sum(f - s for s, f, lab in zip(dp.task_start, dp.task_finish, dp.task_label) if lab.startswith("grad allreduce"))
-    assert ar == pytest.approx(dgx.collective_time("all_reduce", range(8), g.param_bytes.sum()), rel=0.05)
+    # the buckets' all-reduces move all gradients once; each bucket adds the ring's latency steps
+    assert ar == pytest.approx(dgx.collective_time("all_reduce", range(8), g.param_bytes.sum()), rel=0.1)
     assert ideal * (1 - 1e-9) <= dp.value <= ideal + ar + 1e-9
     assert dp.comm_time[0] > 0
 

@@ -39,14 +39,18 @@ from envs.sim.cost import (
     LAYOUT_CODE,
     CommTimes,
     Crossing,
+    OpTimes,
     StepReport,
+    device_specs,
     dp_groups,
+    finish_op_times,
+    group_op_times,
     layout_crossing,
     memory,
     optimizer_time,
 )
 from envs.sim.kernels import assemble_tasks, ddp_buckets, expand_groups, group_edges, stage_of
-from envs.sim.schedule import csr_and_indegree, list_schedule
+from envs.sim.schedule import csr_and_indegree, schedule
 from envs.topology import Topology
 
 
@@ -93,7 +97,7 @@ class PlanArrays:
     """A plan in array form (what :meth:`CompiledSimulator.evaluate` computes from a Plan and reuses in delta)."""
 
     __slots__ = ("gid", "lay", "dp", "rc", "m", "schedule", "scale", "objective", "dtype", "state_bytes",
-                 "fwd", "bwd", "plan", "like")
+                 "fwd", "bwd", "host_f", "host_b", "plan", "like")
 
     def copy(self) -> PlanArrays:
         c = PlanArrays()
@@ -148,6 +152,8 @@ class CompiledSimulator:
         self.caps = np.array([d.memory_bytes for d in topology.devices])
         self.dev_bw = np.array([d.bandwidth() for d in topology.devices])
         self.dev_lo = np.array([d.launch_overhead for d in topology.devices])
+        self.elem_bytes = DTYPE_BYTES.get(graph.dtype, 2)
+        self.hosted = bool(self.comm._hosted.any())  # the hosts limit the schedule (EnvSpec host_overhead > 0)
         self.device_names = [d.name for d in topology.devices]
 
     # ------------------------------------------------------------------ interning
@@ -172,15 +178,16 @@ class CompiledSimulator:
         return self._g_arrays
 
     def _device_specs(self, dtype: str):
-        """Distinct (kind, FLOP/s, bandwidth, launch overhead) among devices; spec index per device."""
+        """The topology's distinct device specs, the spec of each device, and which specs each interned
+        group holds (rebuilt when new groups are interned)."""
         sp = self._specs.get(dtype)
-        if sp is None:
-            keys: dict[tuple, int] = {}
-            per_dev = []
-            for d in self.topology.devices:
-                key = (d.kind, d.flops(dtype), d.bandwidth(), d.launch_overhead)
-                per_dev.append(keys.setdefault(key, len(keys)))
-            sp = (list(keys), np.asarray(per_dev, dtype=np.int64))
+        if sp is None or sp[2].shape[0] != len(self._groups):
+            specs, dev_spec = device_specs(self.topology, dtype)
+            ptr, dev, _ = self._group_arrays()
+            present = np.zeros((len(self._groups), len(specs)), dtype=bool)
+            owner = np.repeat(np.arange(len(self._groups)), np.diff(ptr))
+            present[owner, dev_spec[dev]] = True
+            sp = (specs, dev_spec, present)
             self._specs[dtype] = sp
         return sp
 
@@ -205,59 +212,30 @@ class CompiledSimulator:
         pa.state_bytes = float(plan.state_bytes_per_param)
         pa.plan = plan
         pa.like = plan
-        pa.fwd, pa.bwd = self.node_times(pa)
+        pa.fwd, pa.bwd, pa.host_f, pa.host_b = self.node_times(pa)
         return pa
 
-    def node_times(self, pa: PlanArrays, nodes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised :func:`envs.sim.cost.node_times` (same formulas, same floating-point operations),
-        with the latency objective's x dp applied; for ``nodes`` only when given."""
-        graph = self.graph
-        idx = slice(None) if nodes is None else nodes
+    def node_times(self, pa: PlanArrays, nodes: np.ndarray | None = None) -> OpTimes:
+        """:func:`envs.sim.cost.node_times` from the plan's arrays (the same function on the same inputs,
+        so the same floats), for ``nodes`` only when given."""
+        idx = np.arange(self.n) if nodes is None else np.asarray(nodes, dtype=np.int64)
         gid, lay, dp = pa.gid[idx], pa.lay[idx], pa.dp[idx]
-        ptr, dev, size = self._group_arrays()
+        _, _, size = self._group_arrays()
         tp = size[gid] // dp
         split = np.where((lay == L_COL) | (lay == L_ROW), tp, 1)
-        s = pa.scale / dp
-        specs, dev_spec = self._device_specs(pa.dtype)
-        fwd = np.zeros(len(gid))
-        bwd = np.zeros(len(gid))
-        if len(specs) == 1:
-            masks = [None]
-        else:  # heterogeneous groups: a node's time is its slowest member's
-            present = np.zeros((len(self._groups), len(specs)), dtype=bool)
-            owner = np.repeat(np.arange(len(self._groups)), np.diff(ptr))
-            present[owner, dev_spec[dev]] = True
-            masks = [present[gid, i] for i in range(len(specs))]
-        for i, (kind, rate, bw, lo) in enumerate(specs):
-            meas = graph.measured.get(kind)
-            if meas is not None:
-                f = meas["fwd"][idx] * s / split
-                b = meas["bwd"][idx] * s / split
-            else:
-                act = self.act[idx] * s
-                byt = (act + graph.param_bytes[idx]) / split
-                ov = graph.n_ops[idx] * lo
-                f = np.maximum(graph.fwd_flops[idx] * s / split / rate, byt / bw) + ov
-                b = np.maximum(graph.bwd_flops[idx] * s / split / rate, 2 * byt / bw) + ov
-            if masks[i] is None:
-                fwd, bwd = f, b
-            else:
-                fwd = np.where(masks[i], np.maximum(fwd, f), fwd)
-                bwd = np.where(masks[i], np.maximum(bwd, b), bwd)
-        rc = pa.rc[idx]
-        if pa.rc.any():
-            bwd = bwd + np.where(rc, fwd, 0.0)
-        if pa.objective == "latency":
-            fwd = fwd * dp.astype(np.float64)
-        return fwd, bwd
+        specs, _, present = self._device_specs(pa.dtype)
+        t = group_op_times(self.graph, specs, present[gid] if len(specs) > 1 else None, idx, pa.scale / dp, split,
+                           lay, DTYPE_BYTES.get(pa.dtype, 2))
+        return finish_op_times(t, pa.rc[idx], dp, pa.objective == "latency")
 
     # ------------------------------------------------------------------ templates
     def crossing(self, sig: int) -> Crossing:
         """The communication template ``sig`` (an :class:`EdgeGroups` signature)."""
         return self._tpl[sig]
 
-    def _new_template(self, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale) -> int:
-        self._tpl.append(layout_crossing(self.comm, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale))
+    def _new_template(self, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale, replay) -> int:
+        self._tpl.append(layout_crossing(self.comm, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale,
+                                         replay))
         self._tpl_arrays = None
         return len(self._tpl) - 1
 
@@ -273,7 +251,8 @@ class CompiledSimulator:
             old = {k: np.zeros(0, dtype=i64) for k in ("s_tptr", "t_rptr", "t_ridx", "t_dptr", "t_didx", "f_lo",
                                                          "f_n", "b_lo", "b_n", "st_ptr", "st_idx", "t_kind")}
             old.update(s_tptr=np.zeros(1, dtype=i64), t_rptr=np.zeros(1, dtype=i64), t_dptr=np.zeros(1, dtype=i64),
-                       st_ptr=np.zeros(1, dtype=i64), t_dur=np.zeros(0), t_bwd=np.zeros(0, dtype=np.bool_), labels=[])
+                       st_ptr=np.zeros(1, dtype=i64), t_dur=np.zeros(0), t_bwd=np.zeros(0, dtype=np.bool_), labels=[],
+                       t_host=np.zeros(0), t_sync=np.zeros(0, dtype=np.bool_))
             self._n_flat = 0
         nt, nr, ndv = len(old["t_dur"]), len(old["t_ridx"]), len(old["t_didx"])
         nst, nsti = len(old["st_ptr"]) - 1, len(old["st_idx"])
@@ -284,6 +263,8 @@ class CompiledSimulator:
                 res = tuple(nd + d for d in snd) + tuple(2 * nd + d for d in rcv)
                 new["t_dur"].append(task.duration)
                 new["t_bwd"].append(task.backward)
+                new["t_host"].append(task.host)
+                new["t_sync"].append(task.sync)
                 new["t_ridx"].extend(res)
                 nr += len(res)
                 new["t_rptr"].append(nr)
@@ -353,40 +334,10 @@ class CompiledSimulator:
         pa.dp[node] = int(dp) if dp is not None else (len(g) if layout == "batch_split" else 1)
         if recompute is not None and bool(recompute) != bool(pa.rc[node]):
             pa.rc[node] = bool(recompute)
-            pa.fwd, pa.bwd = self.node_times(pa)
-        else:
-            pa.fwd[node], pa.bwd[node] = self._node_time(pa, node)
+        t = self.node_times(pa, np.array([node]))
+        pa.fwd[node], pa.bwd[node], pa.host_f[node], pa.host_b[node] = (float(x[0]) for x in t)
         self._last = pa
         return self._run(pa, timeline)
-
-    def _node_time(self, pa: PlanArrays, v: int) -> tuple[float, float]:
-        """``node_times`` of one node in scalar arithmetic (the same operations, so the same floats)."""
-        graph = self.graph
-        g = self._groups[int(pa.gid[v])]
-        dp = int(pa.dp[v])
-        lay = int(pa.lay[v])
-        split = len(g) // dp if lay in (L_COL, L_ROW) else 1
-        s = pa.scale / dp
-        specs, dev_spec = self._device_specs(pa.dtype)
-        tf = tb = 0.0
-        for i in sorted({int(dev_spec[d]) for d in g}):
-            kind, rate, bw, lo = specs[i]
-            meas = graph.measured.get(kind)
-            if meas is not None:
-                f = float(meas["fwd"][v]) * s / split
-                b = float(meas["bwd"][v]) * s / split
-            else:
-                act = float(self.act[v]) * s
-                byt = (act + float(graph.param_bytes[v])) / split
-                ov = int(graph.n_ops[v]) * lo
-                f = max(float(graph.fwd_flops[v]) * s / split / rate, byt / bw) + ov
-                b = max(float(graph.bwd_flops[v]) * s / split / rate, 2 * byt / bw) + ov
-            tf, tb = max(tf, f), max(tb, b)
-        if pa.rc[v]:
-            tb = tb + tf
-        if pa.objective == "latency":
-            tf = tf * float(dp)
-        return tf, tb
 
     def plan_of(self, pa: PlanArrays, like: Plan) -> Plan:
         """A Plan with the decisions of ``pa`` and the global settings of ``like``."""
@@ -409,7 +360,7 @@ class CompiledSimulator:
             return EdgeGroups(z, z, np.zeros(0), np.zeros(1, dtype=np.int64), z, z)
         et = graph.edge_time
         ku, e0, S, cons_ptr, cons_idx, sig_rows, hh, first, sinv, clash = group_edges(
-            self.esrc, self.edst, pa.gid, pa.dp, pa.lay, self.has_params, self.is_emb, self.byte_rank,
+            self.esrc, self.edst, pa.gid, pa.dp, pa.lay, pa.rc, self.has_params, self.is_emb, self.byte_rank,
             self.byte_vals, float(pa.scale), self._et, et is not None, bool(latency), len(self._groups) + 1,
             int(pa.dp.max()) + 1)
         srow, sh = sig_rows[first], hh[first]
@@ -459,7 +410,7 @@ class CompiledSimulator:
                 etv = float(r[8:9].view(np.float64)[0]) if et is not None else None
                 sid = self._new_template(self._groups[int(r[0])], int(r[1]), int(r[2]), self._groups[int(r[3])],
                                      int(r[4]), int(r[5]), bool(r[6]), float(r[7:8].view(np.float64)[0]), etv,
-                                     latency, pa.scale)
+                                     latency, pa.scale, bool(int(r[-1]) & 2))
                 table[kb] = sid
             sig_of_row[i] = sid
         # the hash index: one row per template id
@@ -497,8 +448,31 @@ class CompiledSimulator:
         if not latency and tail:
             grad_syncs = self._gradient_buckets(pa, bb, slope, extra)
             expand = self._optimizer_updates(pa, grad_syncs, extra)
+        host = self._host_costs(pa, groups, extra, len(step[0])) if self.hosted else None
         step = extra.append_to(*step)  # (drops the kernel's arrays before scheduling)
-        return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline)
+        return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline, host)
+
+    def _host_costs(self, pa: PlanArrays, groups: EdgeGroups, extra: _ExtraTasks, n_kernel: int):
+        """(host seconds, blocks the host) of every task, in the task order: the compute tasks (node-major,
+        microbatch, F then B), each edge group's template tasks per microbatch, then the extra tasks."""
+        m, latency = pa.m, pa.objective == "latency"
+        per_node = pa.host_f[:, None] if latency else np.stack([pa.host_f, pa.host_b], axis=1)
+        compute = np.repeat(per_node[:, None, :], m, axis=1).reshape(-1)
+        ta = self._template_arrays()
+        starts = ta["s_tptr"][groups.signature]
+        lens = ta["s_tptr"][groups.signature + 1] - starts
+        reps = lens * m
+        total = int(reps.sum())
+        if total:
+            offset = np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps)
+            tidx = np.repeat(starts, reps) + offset % np.repeat(np.maximum(lens, 1), reps)
+        else:
+            tidx = np.zeros(0, dtype=np.int64)
+        cost = np.concatenate([compute, ta["t_host"][tidx], np.asarray(extra.host, dtype=np.float64)])
+        sync = np.concatenate([np.zeros(len(compute), dtype=bool), ta["t_sync"][tidx],
+                               np.zeros(len(extra.host), dtype=bool)])
+        assert len(compute) + total == n_kernel
+        return cost, sync
 
     def _compute_and_comm_tasks(self, pa: PlanArrays, groups: EdgeGroups, fb, bb, slope):
         """The compute tasks and every edge group's communication, with their dependencies (the kernel)."""
@@ -578,9 +552,10 @@ class CompiledSimulator:
             v0 = int(last_node[b])
             gtuple = self._groups[int(pa.gid[v0])]
             t = self.comm.collective("all_reduce", dp_groups(gtuple, int(pa.dp[v0]))[0], float(bsize[b]))
+            devs = sorted(set(gtuple))
             extra.add(t, bb[v0] + (m - 1) * slope + 0.5, KIND_COMM,
-                      [nd + d for d in gtuple] + [2 * nd + d for d in gtuple], sorted(set(gtuple)),
-                      (int(first_node[b]), int(nmem[b])))
+                      [nd + d for d in gtuple] + [2 * nd + d for d in gtuple], devs,
+                      (int(first_node[b]), int(nmem[b])), self.comm.host(tuple(devs), transfer=False)[0])
         extra.deps(self._last_backward(m)[visited], tid_of_bucket[bidx])
         # the optimizer of each member device waits for every bucket of its groups
         bgid = pa.gid[last_node]
@@ -611,14 +586,19 @@ class CompiledSimulator:
         return expand
 
     def _schedule_and_report(self, pa: PlanArrays, step, extra: _ExtraTasks, stage, p, groups: EdgeGroups,
-                             expand, want_timeline: bool) -> StepReport:
-        """List-schedule the step's tasks on 3 resources per device; busy times, memory and the report."""
+                             expand, want_timeline: bool, host=None) -> StepReport:
+        """List-schedule the step's tasks on 3 resources per device (and their hosts, when modelled);
+        busy times, memory and the report."""
         nd = self.nd
         dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst = step
         del step
         nt = len(dur)
         succ_ptr, succ_idx, n_pred = csr_and_indegree(src, dst, nt)
-        start, finish, done = list_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
+        if host is None:
+            start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
+        else:
+            start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd,
+                                           host[0], host[1], dev_ptr, dev_idx, nd)
         if done != nt:  # pragma: no cover - would be a bug in the task graph
             raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
         makespan = float(finish.max()) if nt else 0.0
@@ -748,10 +728,12 @@ class _ExtraTasks:
         self.dev_ptr = [0]
         self.dev_idx: list[int] = []
         self.labels: list = []  # (first node, number of nodes) of a bucket, or an optimizer's device
+        self.host: list[float] = []
         self.src: list[np.ndarray] = []
         self.dst: list[np.ndarray] = []
 
-    def add(self, dur, pri, kind, res, devices, label) -> int:
+    def add(self, dur, pri, kind, res, devices, label, host: float = 0.0) -> int:
+        self.host.append(host)
         self.dur.append(dur)
         self.pri.append(pri)
         self.kind.append(kind)
@@ -766,6 +748,7 @@ class _ExtraTasks:
         """One optimizer task per device (lowest urgency); their task ids."""
         first, k = self.next_id, len(devices)
         self.dur.extend(times.tolist())
+        self.host.extend([0.0] * k)
         self.pri.extend([1e300] * k)
         self.kind.extend([KIND_OPT] * k)
         self.res.extend([d] for d in devices)

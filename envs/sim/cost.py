@@ -119,44 +119,161 @@ def column_weighted(layout_code: int, has_params: bool) -> bool:
 
 
 # ---------------------------------------------------------------------- per-node quantities
-def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward time of each node for one microbatch (``scale`` = samples / traced batch).
+class DeviceSpec(NamedTuple):
+    """What op times depend on, of one kind of device (devices with equal specs share their times)."""
 
-    Measured time for the device kind when the graph has one (scaled linearly with the samples and
-    split); otherwise the roofline max(flops / (peak * eff), bytes / (mem_bw * eff)) plus launch
-    overhead per operator (Williams, Waterman & Patterson, "Roofline", CACM 2009)."""
+    kind: str
+    rate: float  # achieved FLOP/s on large GEMMs (peak x compute_eff)
+    bandwidth: float  # achieved bytes/s of device memory (mem_bw x mem_eff)
+    launch: float  # device-side fixed time per kernel (s)
+    sm_count: int  # 0: no wave quantisation
+    tile: int  # GEMM output tile edge
+    host: float  # host time to issue one kernel (s)
+
+    @classmethod
+    def of(cls, device, dtype: str) -> DeviceSpec:
+        return cls(device.kind, device.flops(dtype), device.bandwidth(), device.launch_overhead, int(device.sm_count),
+                   int(device.gemm_tile), device.host_overhead)
+
+
+class OpTimes(NamedTuple):
+    """Per node: forward and backward time on the device, and the host time to issue each."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    host_fwd: np.ndarray
+    host_bwd: np.ndarray
+
+
+def wave_efficiency(m: np.ndarray, n: np.ndarray, batch: np.ndarray, sm_count: int, tile: int) -> np.ndarray:
+    """Fraction of the GPU a GEMM keeps busy: its ``ceil(m/T) ceil(n/T) batch`` output tiles run in waves of
+    one tile per SM, and the last wave is partly empty (NVIDIA, "Matrix Multiplication Background User's
+    Guide": wave quantization; T = 128 for cuBLAS' large bf16 tiles)."""
+    if sm_count <= 0:
+        return np.ones_like(m)
+    tiles = np.ceil(m / tile) * np.ceil(n / tile) * np.ceil(batch)
+    return tiles / (np.ceil(tiles / sm_count) * sm_count)
+
+
+def gemm_time(m, n, k, batch, spec: DeviceSpec, elem_bytes: float) -> np.ndarray:
+    """Roofline of one (batched) GEMM: ``max(2mnk b / (rate x wave efficiency), (mk + kn + mn) b e / bandwidth)``
+    (Williams, Waterman & Patterson, "Roofline", CACM 2009; the efficiency by shape: wave_efficiency)."""
+    flops = 2.0 * m * n * k * batch
+    nbytes = (m * k + k * n + m * n) * batch * elem_bytes
+    return np.maximum(flops / (spec.rate * wave_efficiency(m, n, batch, spec.sm_count, spec.tile)),
+                      nbytes / spec.bandwidth)
+
+
+def op_times(graph: OpGraph, spec: DeviceSpec, nodes: np.ndarray, samples: np.ndarray, split: np.ndarray,
+             layout: np.ndarray, elem_bytes: float) -> OpTimes:
+    """Times of ``nodes`` on a device of ``spec`` for one microbatch: ``samples`` is each node's share of
+    the traced batch on one device (microbatch / traced batch / dp), ``split`` its tensor-parallel
+    degree when column- or row-split (else 1), ``layout`` its layout code.
+
+    Measured times of the device kind, when the graph has them, scale with the samples and the split.
+    Otherwise each of a node's GEMMs is timed by shape (:func:`gemm_time`; a column split divides a dense
+    GEMM's n, a row split its k, either split a per-head GEMM's heads; the backward pass runs the input-
+    and the weight-gradient GEMMs of the same size); the rest of the node's work (its FLOPs and bytes
+    beyond the GEMMs': normalisations, softmax, elementwise ops) by the roofline max(flops / rate,
+    bytes / bandwidth), twice the bytes backward; every kernel adds the device's launch time (one per
+    op forward, one more per GEMM backward). A node without GEMMs is the roofline of all its work.
+    Host time: ``host_overhead`` per kernel issued (PyTorch issues kernels one by one from Python)."""
+    flops = graph.fwd_flops[nodes] * samples / split
+    bflops = graph.bwd_flops[nodes] * samples / split
+    nbytes = (np.maximum(graph.mem_bytes[nodes] - graph.param_bytes[nodes], 0.0) * samples
+              + graph.param_bytes[nodes]) / split
+    kernels = graph.n_ops[nodes].astype(np.float64)
+    meas = graph.measured.get(spec.kind)
+    if meas is not None:
+        return OpTimes(meas["fwd"][nodes] * samples / split, meas["bwd"][nodes] * samples / split,
+                       kernels * spec.host, kernels * spec.host)
+    fwd = np.maximum(flops / spec.rate, nbytes / spec.bandwidth)
+    bwd = np.maximum(bflops / spec.rate, 2 * nbytes / spec.bandwidth)
+    bwd_kernels = kernels
+    if graph.num_gemms:
+        pos = np.full(graph.num_nodes, -1, dtype=np.int64)
+        pos[nodes] = np.arange(len(nodes))
+        rows = np.flatnonzero(pos[graph.gemm_node] >= 0)
+        if rows.size:
+            p = pos[graph.gemm_node[rows]]
+            m, n, k, b = (graph.gemm_shape[rows, j] for j in range(4))
+            dense = graph.gemm_kind[rows] == 0
+            sg, sp, ly = samples[p], split[p], layout[p]
+            m = np.where(dense, m * sg, m)
+            b = np.where(dense, b, b * sg / sp)
+            n = np.where(dense & (ly == L_COL), n / sp, n)
+            k = np.where(dense & (ly == L_ROW), k / sp, k)
+            tf = gemm_time(m, n, k, b, spec, elem_bytes)
+            tb = gemm_time(m, k, n, b, spec, elem_bytes) + gemm_time(k, n, m, b, spec, elem_bytes)
+            gflops = 2.0 * m * n * k * b
+            gbytes = (m * k + k * n + m * n) * b * elem_bytes
+            count = np.bincount(p, minlength=len(nodes))
+            has = count > 0
+            t_f = np.bincount(p, weights=tf, minlength=len(nodes))
+            t_b = np.bincount(p, weights=tb, minlength=len(nodes))
+            f_g = np.bincount(p, weights=gflops, minlength=len(nodes))
+            b_g = np.bincount(p, weights=gbytes, minlength=len(nodes))
+            rest = np.maximum(nbytes - b_g, 0.0)
+            fwd = np.where(has, t_f + np.maximum(np.maximum(flops - f_g, 0.0) / spec.rate, rest / spec.bandwidth), fwd)
+            bwd = np.where(has, t_b + np.maximum(np.maximum(bflops - 2 * f_g, 0.0) / spec.rate,
+                                                 2 * rest / spec.bandwidth), bwd)
+            bwd_kernels = kernels + count
+    return OpTimes(fwd + kernels * spec.launch, bwd + bwd_kernels * spec.launch, kernels * spec.host,
+                   bwd_kernels * spec.host)
+
+
+def device_specs(topology: Topology, dtype: str) -> tuple[list[DeviceSpec], np.ndarray]:
+    """The distinct device specs of a topology and the spec of each device."""
+    keys: dict[DeviceSpec, int] = {}
+    per_dev = [keys.setdefault(DeviceSpec.of(d, dtype), len(keys)) for d in topology.devices]
+    return list(keys), np.asarray(per_dev, dtype=np.int64)
+
+
+def group_op_times(graph: OpGraph, specs: list[DeviceSpec], present: np.ndarray | None, nodes: np.ndarray,
+                   samples: np.ndarray, split: np.ndarray, layout: np.ndarray, elem_bytes: float) -> OpTimes:
+    """:func:`op_times` of nodes running SPMD on device groups: a node's time is its slowest member's
+    (``present[i, j]``: node i's group has a device of spec j; None when there is one spec)."""
+    out = None
+    for j, spec in enumerate(specs):
+        t = op_times(graph, spec, nodes, samples, split, layout, elem_bytes)
+        if out is None and present is None:
+            return t
+        if out is None:
+            out = OpTimes(*(np.where(present[:, j], x, 0.0) for x in t))
+        else:
+            out = OpTimes(*(np.where(present[:, j], np.maximum(a, x), a) for a, x in zip(out, t)))
+    return out
+
+
+def finish_op_times(t: OpTimes, recompute: np.ndarray, dp: np.ndarray, latency: bool) -> OpTimes:
+    """Full recomputation re-runs the forward (device and host work) right before the backward (Chen
+    et al., 2016); the latency objective times one sample, which data parallelism does not split."""
+    fwd, bwd, hf, hb = t
+    if recompute.any():
+        bwd = bwd + np.where(recompute, fwd, 0.0)
+        hb = hb + np.where(recompute, hf, 0.0)
+    if latency:
+        fwd = fwd * dp.astype(np.float64)
+    return OpTimes(fwd, bwd, hf, hb)
+
+
+def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, latency: bool = False) -> OpTimes:
+    """Forward and backward time (and the host time to issue them) of each node for one microbatch
+    (``scale`` = samples / traced batch) under ``plan`` (see :func:`op_times`)."""
+    specs, dev_spec = device_specs(topology, plan.dtype)
     n = graph.num_nodes
-    fwd = np.zeros(n)
-    bwd = np.zeros(n)
-    dtype = plan.dtype
-    for v in range(n):
-        g = plan.groups[v]
-        lay = plan.layouts[v]
-        dp = int(plan.dp[v])
-        tp = len(g) // dp
-        split = tp if is_tensor_split(lay) else 1
-        s = scale / dp
-        tf = tb = 0.0
-        for d in set(g):
-            dev = topology.devices[d]
-            meas = graph.measured.get(dev.kind)
-            if meas is not None:
-                f = meas["fwd"][v] * s / split
-                b = meas["bwd"][v] * s / split
-            else:
-                act = max(graph.mem_bytes[v] - graph.param_bytes[v], 0.0) * s
-                byt = (act + graph.param_bytes[v]) / split
-                flops_rate, bw = dev.flops(dtype), dev.bandwidth()
-                ov = graph.n_ops[v] * dev.launch_overhead
-                f = max(graph.fwd_flops[v] * s / split / flops_rate, byt / bw) + ov
-                # backward reads activations and output grads, writes input (and weight) grads: ~2x bytes
-                b = max(graph.bwd_flops[v] * s / split / flops_rate, 2 * byt / bw) + ov
-            tf, tb = max(tf, f), max(tb, b)
-        fwd[v], bwd[v] = tf, tb
-    if plan.recompute.any():
-        # full recomputation re-runs the forward right before the backward (Chen et al., 2016)
-        bwd = bwd + np.where(plan.recompute, fwd, 0.0)
-    return fwd, bwd
+    dp = np.asarray(plan.dp, dtype=np.int64)
+    tp = np.array([len(g) for g in plan.groups], dtype=np.int64) // dp
+    layout = np.array([LAYOUT_CODE[x] for x in plan.layouts], dtype=np.int64)
+    split = np.where((layout == L_COL) | (layout == L_ROW), tp, 1)
+    present = None
+    if len(specs) > 1:
+        present = np.zeros((n, len(specs)), dtype=bool)
+        for v, g in enumerate(plan.groups):
+            present[v, dev_spec[list(g)]] = True
+    t = group_op_times(graph, specs, present, np.arange(n), scale / dp, split, layout,
+                       DTYPE_BYTES.get(plan.dtype, 2))
+    return finish_op_times(t, np.asarray(plan.recompute, dtype=bool), dp, latency)
 
 
 def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, num_stages: int,
@@ -228,11 +345,26 @@ def optimizer_time(params: float, state_bytes_per_param: float, bandwidth: float
 
 # ---------------------------------------------------------------------- communication
 class CommTimes:
-    """Collective and transfer times of a topology, collectives cached (sizes repeat across microbatches)."""
+    """Collective and transfer times of a topology, collectives cached (sizes repeat across microbatches),
+    and the host time a device spends issuing each (``comm_overhead`` per collective, ``p2p_overhead``
+    per point-to-point transfer; with the host modelled, a transfer blocks its hosts until it is done:
+    Megatron-LM and DeepSpeed synchronise after pipeline sends and receives)."""
 
     def __init__(self, topology: Topology):
         self.topo = topology
         self.cache: dict = {}
+        devs = topology.devices
+        self._coll_host = np.array([d.comm_overhead for d in devs])
+        self._p2p_host = np.array([d.p2p_overhead for d in devs])
+        self._hosted = np.array([d.host_overhead > 0 or d.comm_overhead > 0 or d.p2p_overhead > 0 for d in devs])
+
+    def host(self, devices: tuple[int, ...], transfer: bool) -> tuple[float, bool]:
+        """(host seconds to issue a collective or transfer over ``devices``, whether it blocks the host)."""
+        if not self._hosted.any():
+            return 0.0, False
+        idx = list(devices)
+        cost = float((self._p2p_host if transfer else self._coll_host)[idx].max())
+        return cost, bool(transfer and self._hosted[idx].any())
 
     def collective(self, kind: str, group: tuple[int, ...], nbytes: float) -> float:
         key = (kind, group, nbytes)
@@ -289,6 +421,8 @@ class CommTask(NamedTuple):
     devices: tuple[int, ...]  # the devices it occupies, sorted and distinct
     ports: tuple[tuple[int, ...], tuple[int, ...]]  # (devices whose send port it holds, ... receive port)
     label: str  # a template: ``{u}`` the producer's name, ``{k}`` the microbatch
+    host: float = 0.0  # host seconds to issue it (CommTimes.host)
+    sync: bool = False  # its hosts wait for it to finish
 
 
 class Crossing(NamedTuple):
@@ -302,7 +436,7 @@ class Crossing(NamedTuple):
 
 def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, gv: tuple[int, ...], dpv: int,
                     req: int, col_weighted: bool, nbytes: float, edge_time: float | None, latency: bool,
-                    scale: float) -> Crossing:
+                    scale: float, replay: bool = False) -> Crossing:
     """The collectives and transfers that carry a tensor of ``nbytes`` (one microbatch) from a producer
     on group ``gu`` (``dpu`` replicas, output state ``have``) to consumers on ``gv`` (``dpv`` replicas,
     input state ``req``), and its gradient back (not for ``latency``).
@@ -315,11 +449,17 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
     transfers (one per consumer tensor-parallel group unless the consumer holds shards). A
     column-weighted consumer all-reduces its input gradient first (Megatron's "f"). ``edge_time`` is
     the measured transfer time of the tensor (dnn-partitioning workloads) for the traced batch, scaled
-    to each transfer's share of the samples; otherwise transfers cost :meth:`CommTimes.p2p`."""
+    to each transfer's share of the samples; otherwise transfers cost :meth:`CommTimes.p2p`. ``replay``
+    (the producer is recomputed): the collectives of a same-group crossing run again in the backward
+    pass, before the gradient's, because recomputing the forward re-issues them (Megatron-LM's full
+    recomputation re-runs a layer's forward, its tensor-parallel all-reduces included; Korthikanti et al.
+    2022, Sec. 5)."""
     tasks: list[CommTask] = []
 
     def add(dur, backward, devices, label, ports) -> int:
-        tasks.append(CommTask(float(dur), bool(backward), tuple(sorted(set(devices))), ports, label))
+        devs = tuple(sorted(set(devices)))
+        host, sync = comm.host(devs, transfer=len(ports[0]) == 1 and len(ports[1]) == 1 and ports[0] != ports[1])
+        tasks.append(CommTask(float(dur), bool(backward), devs, ports, label, host, sync))
         return len(tasks) - 1
 
     def collective(kind, g, dp, nb, backward, label) -> list[int]:
@@ -362,4 +502,8 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
     if col_weighted and not latency and tpv > 1:
         # Megatron's "f": the input gradient of a column-split linear is a partial sum
         bwd.insert(0, collective("all_reduce", gv, dpv, S / dpv, True, "allreduce grad {u} mb{k}"))
+    if replay and not latency and gu == gv and dpu == dpv and fwd:
+        again = [[add(tasks[j].duration, True, tasks[j].devices, "re-" + tasks[j].label, tasks[j].ports)
+                  for j in step] for step in fwd]
+        bwd[0:0] = again
     return Crossing(tasks, fwd, bwd)

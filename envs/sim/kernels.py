@@ -240,7 +240,7 @@ def ddp_buckets(order, has_grad, bkey, gbytes, cap):
 
 # ---------------------------------------------------------------------- edge groups
 @njit(cache=True)
-def group_edges(u, v, gid, dp, lay, has_params, is_emb, byte_rank, byte_vals, scale, et, use_et, latency, G, D):
+def group_edges(u, v, gid, dp, lay, rc, has_params, is_emb, byte_rank, byte_vals, scale, et, use_et, latency, G, D):
     """Edges grouped by (producer, consumer group, consumer dp, requirement, column-weighted) in order
     of first edge: producer, first edge, consumers (CSR, edge order), largest tensor of each group,
     and each group's signature row (what its communication template depends on) with a 64-bit hash;
@@ -254,7 +254,7 @@ def group_edges(u, v, gid, dp, lay, has_params, is_emb, byte_rank, byte_vals, sc
     for q in range(K):
         ku[q] = u[e0[q]]
         S[q] = byte_vals[bmax[q]] * scale
-    rows, h = _signature_rows(ku, e0, S, v, gid, dp, lay, req, colw, scale, et, use_et, latency)
+    rows, h = _signature_rows(ku, e0, S, v, gid, dp, lay, rc, req, colw, scale, et, use_et, latency)
     first, inv, clash = _distinct_rows(rows, h)
     return ku, e0, S, cons_ptr, cons_idx, rows, h, first, inv, clash
 
@@ -330,10 +330,10 @@ def _consumers(gq, v, byte_rank, K):
 
 
 @njit(cache=True)
-def _signature_rows(ku, e0, S, v, gid, dp, lay, req, colw, scale, et, use_et, latency):
+def _signature_rows(ku, e0, S, v, gid, dp, lay, rc, req, colw, scale, et, use_et, latency):
     """Per group what its crossing depends on: producer group, dp and state, consumer group, dp and
-    requirement, column-weighted, tensor bytes (bits), [measured edge time and scale (bits)], latency;
-    and a 64-bit hash of each row."""
+    requirement, column-weighted, tensor bytes (bits), [measured edge time and scale (bits)], latency
+    + 2 x the producer's recomputation (its forward collectives replayed); a 64-bit hash of each row."""
     K = ku.shape[0]
     C = 11 if use_et else 9
     rows = np.empty((K, C), dtype=np.int64)
@@ -362,7 +362,7 @@ def _signature_rows(ku, e0, S, v, gid, dp, lay, req, colw, scale, et, use_et, la
             rows[q, 8] = ebits[q]
             rows[q, 9] = scale_bits
             j = 10
-        rows[q, j] = 1 if latency else 0
+        rows[q, j] = (1 if latency else 0) + (2 if rc[a] else 0)
         x = np.uint64(0)
         for c in range(C):
             x = (x ^ np.uint64(rows[q, c])) * mix

@@ -48,7 +48,7 @@ from envs.sim.cost import (
     produced_state,
     required_state,
 )
-from envs.sim.schedule import list_schedule, to_csr
+from envs.sim.schedule import schedule, to_csr
 from envs.topology import Topology
 
 
@@ -82,9 +82,7 @@ class _Step:
         self.stage, self.p = plan.stages(graph)
         self.topo_pos = np.empty(n, dtype=np.int64)
         self.topo_pos[graph.topological_order()] = np.arange(n)
-        self.fwd, self.bwd = node_times(graph, topology, plan, self.scale)
-        if latency:  # a single sample is not split by data parallelism
-            self.fwd = self.fwd * np.array([plan.dp[v] for v in range(n)], dtype=np.float64)
+        self.fwd, self.bwd, self.host_fwd, self.host_bwd = node_times(graph, topology, plan, self.scale, latency)
         self.comm = CommTimes(topology)
         self.gpipe = plan.schedule == "gpipe"
         self._N = float(n + 1)
@@ -110,10 +108,12 @@ class _TaskGraph:
         self.devs: list[tuple[int, ...]] = []
         self.kind: list[int] = []
         self.label: list[str] = []
+        self.host: list[float] = []
+        self.sync: list[bool] = []
         self.src: list[int] = []
         self.dst: list[int] = []
 
-    def add(self, dur, prio, devices, kind, label, comm_ports=None) -> int:
+    def add(self, dur, prio, devices, kind, label, comm_ports=None, host=0.0, sync=False) -> int:
         nd = self.nd
         if kind == KIND_COMM:
             snd, rcv = comm_ports
@@ -126,6 +126,8 @@ class _TaskGraph:
         self.devs.append(tuple(sorted(set(devices))))
         self.kind.append(kind)
         self.label.append(label)
+        self.host.append(float(host))
+        self.sync.append(bool(sync))
         return len(self.dur) - 1
 
     def dep(self, a: int, b: int) -> None:
@@ -151,9 +153,9 @@ def _compute_tasks(s: _Step, T: _TaskGraph) -> tuple[np.ndarray, np.ndarray | No
         g = s.plan.groups[v]
         name = s.graph.names[v]
         for k in range(m):
-            F[v, k] = T.add(s.fwd[v], s.prio(v, k, False), g, KIND_COMPUTE, f"F {name} mb{k}")
+            F[v, k] = T.add(s.fwd[v], s.prio(v, k, False), g, KIND_COMPUTE, f"F {name} mb{k}", host=s.host_fwd[v])
             if not s.latency:
-                B[v, k] = T.add(s.bwd[v], s.prio(v, k, True), g, KIND_COMPUTE, f"B {name} mb{k}")
+                B[v, k] = T.add(s.bwd[v], s.prio(v, k, True), g, KIND_COMPUTE, f"B {name} mb{k}", host=s.host_bwd[v])
                 T.dep(F[v, k], B[v, k])
     return F, B
 
@@ -196,14 +198,15 @@ def _edge_group_communication(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndar
         S = float(graph.edge_bytes[[e for e, _ in members]].max()) * s.scale
         edge_time = float(graph.edge_time[e0]) if graph.edge_time is not None else None
         crossing = layout_crossing(s.comm, plan.groups[u], int(plan.dp[u]), produced_state(LAYOUT_CODE[plan.layouts[u]]),
-                                   gv, int(dpv), req, col_weighted, S, edge_time, s.latency, s.scale)
+                                   gv, int(dpv), req, col_weighted, S, edge_time, s.latency, s.scale,
+                                   bool(plan.recompute[u]))
         consumers = [v for _, v in members]
         name = graph.names[u]
         for k in range(s.m):
             pr_f = min(s.prio(v, k, False) for v in consumers)
             pr_b = s.prio(u, k, True) if not s.latency else 0.0
             ids = [T.add(t.duration, pr_b if t.backward else pr_f, t.devices, KIND_COMM, t.label.format(u=name, k=k),
-                         t.ports) for t in crossing.tasks]
+                         t.ports, t.host, t.sync) for t in crossing.tasks]
             T.chain([int(F[u, k])], [[ids[j] for j in step] for step in crossing.forward],
                     [int(F[v, k]) for v in consumers])
             if not s.latency:
@@ -242,8 +245,9 @@ def _gradient_buckets(s: _Step, T: _TaskGraph, B: np.ndarray) -> dict[int, list[
         grads = [graph.param_bytes[v] / (tp if split else 1) for v in nodes]
         for bucket, size in _ddp_buckets(nodes, grads):
             t = s.comm.collective("all_reduce", dp_groups(g, dp)[0], size)
+            host, _ = s.comm.host(tuple(sorted(set(g))), transfer=False)
             tid = T.add(t, s.prio(bucket[-1], m - 1, True) + 0.5, g, KIND_COMM,
-                        f"grad allreduce {graph.names[bucket[0]]}..({len(bucket)})", (g, g))
+                        f"grad allreduce {graph.names[bucket[0]]}..({len(bucket)})", (g, g), host)
             for v in bucket:
                 T.dep(int(B[v, m - 1]), tid)
             for d in g:
@@ -296,12 +300,13 @@ def _schedule_and_report(s: _Step, T: _TaskGraph, want_timeline: bool) -> StepRe
     dst = np.asarray(T.dst, dtype=np.int64)
     succ_ptr, succ_idx = to_csr(src, dst, nt)
     n_pred = np.bincount(dst, minlength=nt).astype(np.int64)
-    start, finish, done = list_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
+    dev_counts, dev_ptr, dev_idx = _csr(T.devs)
+    start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd,
+                                   np.asarray(T.host), np.asarray(T.sync, dtype=bool), dev_ptr, dev_idx, nd)
     if done != nt:  # pragma: no cover - would be a bug in the task graph
         raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
     makespan = float(finish.max()) if nt else 0.0
 
-    dev_counts, dev_ptr, dev_idx = _csr(T.devs)
     kinds = np.asarray(T.kind, dtype=np.int64)
     owner = np.repeat(np.arange(nt), dev_counts)
     dur_rep = dur[owner]

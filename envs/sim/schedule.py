@@ -59,6 +59,73 @@ def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pr
 
 
 @njit(cache=True)
+def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources,
+                         host_cost, host_sync, dev_ptr, dev_idx, n_devices):
+    """:func:`list_schedule` with each device's host issuing the work: task t also needs every one of its
+    devices' hosts to have issued it, ``host_cost[t]`` seconds of host time after that host issued the
+    previous task it started (hosts never wait for their GPU: the framework runs ahead, asynchronously),
+    except after a task with ``host_sync[t]``, whose finish the hosts of its devices wait for (a blocking
+    transfer). A host-bound step (small kernels, Python overhead) runs at the hosts' pace; a GPU-bound
+    one is unchanged. Hosts issue in the order tasks start, which is program order per device."""
+    n = duration.shape[0]
+    start = np.full(n, -1.0)
+    finish = np.full(n, -1.0)
+    ready_at = np.zeros(n)
+    remaining = n_pred.copy()
+    free = np.zeros(n_resources)
+    host_free = np.zeros(n_devices)
+    heap = [(0.0, 0.0, -1)]
+    heap.pop()
+    for t in range(n):
+        if remaining[t] == 0:
+            heapq.heappush(heap, (0.0, priority[t], t))
+    done = 0
+    while len(heap) > 0:
+        est, pr, t = heapq.heappop(heap)
+        s = est
+        for k in range(res_ptr[t], res_ptr[t + 1]):
+            r = res_idx[k]
+            if free[r] > s:
+                s = free[r]
+        h = host_cost[t]
+        for k in range(dev_ptr[t], dev_ptr[t + 1]):
+            issued = host_free[dev_idx[k]] + h
+            if issued > s:
+                s = issued
+        if s > est + 1e-15:
+            heapq.heappush(heap, (s, pr, t))
+            continue
+        f = s + duration[t]
+        start[t] = s
+        finish[t] = f
+        done += 1
+        for k in range(res_ptr[t], res_ptr[t + 1]):
+            free[res_idx[k]] = f
+        for k in range(dev_ptr[t], dev_ptr[t + 1]):
+            d = dev_idx[k]
+            host_free[d] = max(f, host_free[d] + h) if host_sync[t] else host_free[d] + h
+        for k in range(succ_ptr[t], succ_ptr[t + 1]):
+            u = succ_idx[k]
+            if f > ready_at[u]:
+                ready_at[u] = f
+            remaining[u] -= 1
+            if remaining[u] == 0:
+                heapq.heappush(heap, (ready_at[u], priority[u], u))
+    return start, finish, done
+
+
+def schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources,
+             host_cost=None, host_sync=None, dev_ptr=None, dev_idx=None, n_devices: int = 0):
+    """Start and finish of every task: :func:`list_schedule_hosted` when any task costs host time,
+    else the plain :func:`list_schedule`."""
+    if host_cost is not None and (host_cost.any() or (host_sync is not None and host_sync.any())):
+        return list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources,
+                                    np.ascontiguousarray(host_cost, dtype=np.float64),
+                                    np.ascontiguousarray(host_sync, dtype=np.bool_), dev_ptr, dev_idx, int(n_devices))
+    return list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources)
+
+
+@njit(cache=True)
 def _csr(src, dst, n):
     ptr = np.zeros(n + 1, dtype=np.int64)
     for i in range(src.shape[0]):

@@ -103,6 +103,7 @@ def _subgraph(graph: OpGraph, keep: np.ndarray) -> OpGraph:
     pos = np.full(graph.num_nodes, -1, dtype=np.int64)
     pos[keep] = np.arange(len(keep))
     es = np.flatnonzero((pos[graph.edge_src] >= 0) & (pos[graph.edge_dst] >= 0))
+    gs = np.flatnonzero(pos[graph.gemm_node] >= 0)
     return OpGraph(
         names=[graph.names[i] for i in keep], kinds=[graph.kinds[i] for i in keep],
         module_paths=[graph.module_paths[i] for i in keep], fwd_flops=graph.fwd_flops[keep],
@@ -111,7 +112,8 @@ def _subgraph(graph: OpGraph, keep: np.ndarray) -> OpGraph:
         measured={k: {"fwd": v["fwd"][keep], "bwd": v["bwd"][keep]} for k, v in graph.measured.items()},
         edge_src=pos[graph.edge_src[es]], edge_dst=pos[graph.edge_dst[es]], edge_bytes=graph.edge_bytes[es],
         edge_time=None if graph.edge_time is None else graph.edge_time[es], batch_size=graph.batch_size,
-        dtype=graph.dtype, name=f"{graph.name}[stage]", meta=dict(graph.meta))
+        dtype=graph.dtype, name=f"{graph.name}[stage]", meta=dict(graph.meta),
+        gemm_node=pos[graph.gemm_node[gs]], gemm_shape=graph.gemm_shape[gs], gemm_kind=graph.gemm_kind[gs])
 
 
 @dataclass
