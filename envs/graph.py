@@ -206,6 +206,16 @@ class OpGraph:
             node, shape, kind = node[order], shape[order], kind[order]
         self.gemm_node, self.gemm_shape, self.gemm_kind = node, shape, kind
 
+    def gemm_ptr(self) -> np.ndarray:
+        """CSR pointers of the GEMMs per node: node v's are rows ``gemm_ptr[v]:gemm_ptr[v + 1]``."""
+        stamp = (self.num_nodes, self.num_gemms)
+        cached = getattr(self, "_gemm_ptr", None)
+        if cached is None or cached[0] != stamp:
+            ptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
+            np.cumsum(np.bincount(self.gemm_node, minlength=self.num_nodes), out=ptr[1:])
+            cached = self._gemm_ptr = (stamp, ptr)
+        return cached[1]
+
     @property
     def num_gemms(self) -> int:
         return int(self.gemm_node.shape[0])

@@ -14,10 +14,12 @@ max-load model (:mod:`envs.sim.throughput`) take every duration and every rule f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from envs.graph import OpGraph
 from envs.plan import DTYPE_BYTES, Plan, layer_ids
@@ -145,23 +147,78 @@ class OpTimes(NamedTuple):
     host_bwd: np.ndarray
 
 
-def wave_efficiency(m: np.ndarray, n: np.ndarray, batch: np.ndarray, sm_count: int, tile: int) -> np.ndarray:
+@njit(cache=True)
+def wave_efficiency(m: float, n: float, batch: float, sm_count: int, tile: int) -> float:
     """Fraction of the GPU a GEMM keeps busy: its ``ceil(m/T) ceil(n/T) batch`` output tiles run in waves of
     one tile per SM, and the last wave is partly empty (NVIDIA, "Matrix Multiplication Background User's
     Guide": wave quantization; T = 128 for cuBLAS' large bf16 tiles)."""
     if sm_count <= 0:
-        return np.ones_like(m)
-    tiles = np.ceil(m / tile) * np.ceil(n / tile) * np.ceil(batch)
-    return tiles / (np.ceil(tiles / sm_count) * sm_count)
+        return 1.0
+    tiles = math.ceil(m / tile) * math.ceil(n / tile) * math.ceil(batch)
+    return tiles / (math.ceil(tiles / sm_count) * sm_count)
 
 
-def gemm_time(m, n, k, batch, spec: DeviceSpec, elem_bytes: float) -> np.ndarray:
+@njit(cache=True)
+def gemm_time(m: float, n: float, k: float, batch: float, rate: float, bandwidth: float, sm_count: int, tile: int,
+              elem_bytes: float) -> float:
     """Roofline of one (batched) GEMM: ``max(2mnk b / (rate x wave efficiency), (mk + kn + mn) b e / bandwidth)``
     (Williams, Waterman & Patterson, "Roofline", CACM 2009; the efficiency by shape: wave_efficiency)."""
     flops = 2.0 * m * n * k * batch
     nbytes = (m * k + k * n + m * n) * batch * elem_bytes
-    return np.maximum(flops / (spec.rate * wave_efficiency(m, n, batch, spec.sm_count, spec.tile)),
-                      nbytes / spec.bandwidth)
+    return max(flops / (rate * wave_efficiency(m, n, batch, sm_count, tile)), nbytes / bandwidth)
+
+
+@njit(cache=True)
+def _op_times(fwd_flops, bwd_flops, mem_bytes, param_bytes, n_ops, gemm_ptr, gemm_shape, gemm_kind, nodes, samples,
+              split, layout, rate, bandwidth, launch, sm_count, tile, host, elem_bytes):
+    """The loop of :func:`op_times` (see there), one node at a time."""
+    cnt = nodes.shape[0]
+    fwd = np.empty(cnt)
+    bwd = np.empty(cnt)
+    host_f = np.empty(cnt)
+    host_b = np.empty(cnt)
+    for i in range(cnt):
+        v = nodes[i]
+        sv, sp = samples[i], split[i]
+        flops = fwd_flops[v] * sv / sp
+        bflops = bwd_flops[v] * sv / sp
+        nbytes = (max(mem_bytes[v] - param_bytes[v], 0.0) * sv + param_bytes[v]) / sp
+        kernels = float(n_ops[v])
+        lo, hi = gemm_ptr[v], gemm_ptr[v + 1]
+        if hi == lo:
+            f = max(flops / rate, nbytes / bandwidth)
+            b = max(bflops / rate, 2 * nbytes / bandwidth)
+        else:
+            t_f = t_b = f_g = b_g = 0.0
+            for j in range(lo, hi):
+                m, n, k, bt = gemm_shape[j, 0], gemm_shape[j, 1], gemm_shape[j, 2], gemm_shape[j, 3]
+                if gemm_kind[j] == 0:  # dense: the samples scale m; a column split divides n, a row split k
+                    m = m * sv
+                    if layout[i] == L_COL:
+                        n = n / sp
+                    elif layout[i] == L_ROW:
+                        k = k / sp
+                else:  # per head: the samples scale the batch (x heads), a split divides the heads
+                    bt = bt * sv / sp
+                t_f += gemm_time(m, n, k, bt, rate, bandwidth, sm_count, tile, elem_bytes)
+                t_b += (gemm_time(m, k, n, bt, rate, bandwidth, sm_count, tile, elem_bytes)
+                        + gemm_time(k, n, m, bt, rate, bandwidth, sm_count, tile, elem_bytes))
+                f_g += 2.0 * m * n * k * bt
+                b_g += (m * k + k * n + m * n) * bt * elem_bytes
+            rest = max(nbytes - b_g, 0.0)
+            f = t_f + max(max(flops - f_g, 0.0) / rate, rest / bandwidth)
+            b = t_b + max(max(bflops - 2 * f_g, 0.0) / rate, 2 * rest / bandwidth)
+            kernels_b = kernels + (hi - lo)
+            fwd[i] = f + kernels * launch
+            bwd[i] = b + kernels_b * launch
+            host_f[i] = kernels * host
+            host_b[i] = kernels_b * host
+            continue
+        fwd[i] = f + kernels * launch
+        bwd[i] = b + kernels * launch
+        host_f[i] = kernels * host
+        host_b[i] = kernels * host
+    return fwd, bwd, host_f, host_b
 
 
 def op_times(graph: OpGraph, spec: DeviceSpec, nodes: np.ndarray, samples: np.ndarray, split: np.ndarray,
@@ -178,48 +235,18 @@ def op_times(graph: OpGraph, spec: DeviceSpec, nodes: np.ndarray, samples: np.nd
     bytes / bandwidth), twice the bytes backward; every kernel adds the device's launch time (one per
     op forward, one more per GEMM backward). A node without GEMMs is the roofline of all its work.
     Host time: ``host_overhead`` per kernel issued (PyTorch issues kernels one by one from Python)."""
-    flops = graph.fwd_flops[nodes] * samples / split
-    bflops = graph.bwd_flops[nodes] * samples / split
-    nbytes = (np.maximum(graph.mem_bytes[nodes] - graph.param_bytes[nodes], 0.0) * samples
-              + graph.param_bytes[nodes]) / split
-    kernels = graph.n_ops[nodes].astype(np.float64)
+    nodes = np.ascontiguousarray(nodes, dtype=np.int64)
+    samples = np.ascontiguousarray(samples, dtype=np.float64)
+    split = np.ascontiguousarray(split, dtype=np.float64)
     meas = graph.measured.get(spec.kind)
     if meas is not None:
+        kernels = graph.n_ops[nodes].astype(np.float64)
         return OpTimes(meas["fwd"][nodes] * samples / split, meas["bwd"][nodes] * samples / split,
                        kernels * spec.host, kernels * spec.host)
-    fwd = np.maximum(flops / spec.rate, nbytes / spec.bandwidth)
-    bwd = np.maximum(bflops / spec.rate, 2 * nbytes / spec.bandwidth)
-    bwd_kernels = kernels
-    if graph.num_gemms:
-        pos = np.full(graph.num_nodes, -1, dtype=np.int64)
-        pos[nodes] = np.arange(len(nodes))
-        rows = np.flatnonzero(pos[graph.gemm_node] >= 0)
-        if rows.size:
-            p = pos[graph.gemm_node[rows]]
-            m, n, k, b = (graph.gemm_shape[rows, j] for j in range(4))
-            dense = graph.gemm_kind[rows] == 0
-            sg, sp, ly = samples[p], split[p], layout[p]
-            m = np.where(dense, m * sg, m)
-            b = np.where(dense, b, b * sg / sp)
-            n = np.where(dense & (ly == L_COL), n / sp, n)
-            k = np.where(dense & (ly == L_ROW), k / sp, k)
-            tf = gemm_time(m, n, k, b, spec, elem_bytes)
-            tb = gemm_time(m, k, n, b, spec, elem_bytes) + gemm_time(k, n, m, b, spec, elem_bytes)
-            gflops = 2.0 * m * n * k * b
-            gbytes = (m * k + k * n + m * n) * b * elem_bytes
-            count = np.bincount(p, minlength=len(nodes))
-            has = count > 0
-            t_f = np.bincount(p, weights=tf, minlength=len(nodes))
-            t_b = np.bincount(p, weights=tb, minlength=len(nodes))
-            f_g = np.bincount(p, weights=gflops, minlength=len(nodes))
-            b_g = np.bincount(p, weights=gbytes, minlength=len(nodes))
-            rest = np.maximum(nbytes - b_g, 0.0)
-            fwd = np.where(has, t_f + np.maximum(np.maximum(flops - f_g, 0.0) / spec.rate, rest / spec.bandwidth), fwd)
-            bwd = np.where(has, t_b + np.maximum(np.maximum(bflops - 2 * f_g, 0.0) / spec.rate,
-                                                 2 * rest / spec.bandwidth), bwd)
-            bwd_kernels = kernels + count
-    return OpTimes(fwd + kernels * spec.launch, bwd + bwd_kernels * spec.launch, kernels * spec.host,
-                   bwd_kernels * spec.host)
+    return OpTimes(*_op_times(graph.fwd_flops, graph.bwd_flops, graph.mem_bytes, graph.param_bytes, graph.n_ops,
+                              graph.gemm_ptr(), graph.gemm_shape, graph.gemm_kind, nodes, samples, split,
+                              np.ascontiguousarray(layout, dtype=np.int64), spec.rate, spec.bandwidth, spec.launch,
+                              spec.sm_count, spec.tile, spec.host, float(elem_bytes)))
 
 
 def device_specs(topology: Topology, dtype: str) -> tuple[list[DeviceSpec], np.ndarray]:

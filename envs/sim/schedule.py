@@ -11,36 +11,81 @@ A leaf of :mod:`envs.sim`: numpy and numba only.
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 from numba import njit  # NUMBA_DISABLE_JIT=1 runs these kernels as plain Python, for debugging
 
 
+@njit(cache=True, inline="always")
+def _less(ea, pa, ta, eb, pb, tb) -> bool:
+    """(earliest start, priority, task) order of the ready queue (tasks are distinct: no ties)."""
+    if ea != eb:
+        return ea < eb
+    if pa != pb:
+        return pa < pb
+    return ta < tb
+
+
+@njit(cache=True, inline="always")
+def _push(he, hp, ht, size, e, p, t) -> int:
+    """Insert (e, p, t) into the binary min-heap of ``size`` entries held in (he, hp, ht); the new size."""
+    i = size
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _less(e, p, t, he[parent], hp[parent], ht[parent]):
+            break
+        he[i], hp[i], ht[i] = he[parent], hp[parent], ht[parent]
+        i = parent
+    he[i], hp[i], ht[i] = e, p, t
+    return size + 1
+
+
+@njit(cache=True, inline="always")
+def _pop(he, hp, ht, size) -> int:
+    """Remove the minimum (the caller read it at index 0); the new size."""
+    size -= 1
+    e, p, t = he[size], hp[size], ht[size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and _less(he[c + 1], hp[c + 1], ht[c + 1], he[c], hp[c], ht[c]):
+            c += 1
+        if not _less(he[c], hp[c], ht[c], e, p, t):
+            break
+        he[i], hp[i], ht[i] = he[c], hp[c], ht[c]
+        i = c
+    if size > 0:
+        he[i], hp[i], ht[i] = e, p, t
+    return size
+
+
 @njit(cache=True)
 def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources):
-    """Return (start, finish, number scheduled). ``res_*`` and ``succ_*`` are CSR adjacency arrays."""
+    """Return (start, finish, number scheduled). ``res_*`` and ``succ_*`` are CSR adjacency arrays. The
+    ready queue is a binary heap on (earliest start, priority, task)."""
     n = duration.shape[0]
     start = np.full(n, -1.0)
     finish = np.full(n, -1.0)
     ready_at = np.zeros(n)
     remaining = n_pred.copy()
     free = np.zeros(n_resources)
-    heap = [(0.0, 0.0, -1)]
-    heap.pop()
+    he, hp, ht = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
+    size = 0
     for t in range(n):
         if remaining[t] == 0:
-            heapq.heappush(heap, (0.0, priority[t], t))
+            size = _push(he, hp, ht, size, 0.0, priority[t], t)
     done = 0
-    while len(heap) > 0:
-        est, pr, t = heapq.heappop(heap)
+    while size > 0:
+        est, pr, t = he[0], hp[0], ht[0]
+        size = _pop(he, hp, ht, size)
         s = est
         for k in range(res_ptr[t], res_ptr[t + 1]):
             r = res_idx[k]
             if free[r] > s:
                 s = free[r]
         if s > est + 1e-15:
-            heapq.heappush(heap, (s, pr, t))
+            size = _push(he, hp, ht, size, s, pr, t)
             continue
         f = s + duration[t]
         start[t] = s
@@ -54,7 +99,7 @@ def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pr
                 ready_at[u] = f
             remaining[u] -= 1
             if remaining[u] == 0:
-                heapq.heappush(heap, (ready_at[u], priority[u], u))
+                size = _push(he, hp, ht, size, ready_at[u], priority[u], u)
     return start, finish, done
 
 
@@ -74,14 +119,15 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
     remaining = n_pred.copy()
     free = np.zeros(n_resources)
     host_free = np.zeros(n_devices)
-    heap = [(0.0, 0.0, -1)]
-    heap.pop()
+    he, hp, ht = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
+    size = 0
     for t in range(n):
         if remaining[t] == 0:
-            heapq.heappush(heap, (0.0, priority[t], t))
+            size = _push(he, hp, ht, size, 0.0, priority[t], t)
     done = 0
-    while len(heap) > 0:
-        est, pr, t = heapq.heappop(heap)
+    while size > 0:
+        est, pr, t = he[0], hp[0], ht[0]
+        size = _pop(he, hp, ht, size)
         s = est
         for k in range(res_ptr[t], res_ptr[t + 1]):
             r = res_idx[k]
@@ -93,7 +139,7 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
             if issued > s:
                 s = issued
         if s > est + 1e-15:
-            heapq.heappush(heap, (s, pr, t))
+            size = _push(he, hp, ht, size, s, pr, t)
             continue
         f = s + duration[t]
         start[t] = s
@@ -110,7 +156,7 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
                 ready_at[u] = f
             remaining[u] -= 1
             if remaining[u] == 0:
-                heapq.heappush(heap, (ready_at[u], priority[u], u))
+                size = _push(he, hp, ht, size, ready_at[u], priority[u], u)
     return start, finish, done
 
 
