@@ -25,6 +25,7 @@ from envs.files import one_line
 
 COMMAND_MODULES = [
     "agent.commands.simulate",
+    "agent.commands.calibrate",
     "agent.commands.topology",
     "agent.commands.import_cmd",
     "agent.commands.profile",

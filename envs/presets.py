@@ -18,29 +18,40 @@ GB = 1e9
 GiB = 2**30
 
 
+# Fitted by `rlplace calibrate` on the 1,440 measured Megatron-DeepSpeed runs of ../shared/calibration
+# (vTrain's megatron-a100-single-node.csv: GPT 0.35-1.3B on one DGX A100, full recomputation; held-out
+# models: MAPE 6-9%, experiments/results/calibration/): GEMM efficiency, and the software stack's host
+# time per kernel (PyTorch eager + Megatron + DeepSpeed activation checkpointing), per collective, per
+# pipeline transfer, and per further rank a collective waits for. A faster stack (CUDA graphs,
+# torch.compile) has smaller host times: calibrate your own with `rlplace calibrate`.
+A100_FITTED = dict(compute_eff=0.80, host_overhead=68e-6, comm_overhead=0.6e-6, p2p_overhead=0.4e-6,
+                   sync_overhead=5.3e-6)
+
+
 def _a100(name: str, host: int = 0) -> Device:
-    # NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 tensor, 19.5 fp32, 156 tf32; 80 GB HBM2e at 2,039 GB/s
+    # NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 tensor, 19.5 fp32, 156 tf32; 80 GB HBM2e at 2,039 GB/s;
+    # 108 SMs (A100 whitepaper)
     return Device(name, "a100-80g", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-                  80 * GB, 2039 * GB, host=host, compute_eff=0.7, mem_eff=0.8, launch_overhead=5e-6)
+                  80 * GB, 2039 * GB, host=host, mem_eff=0.8, launch_overhead=5e-6, sm_count=108, **A100_FITTED)
 
 
 def _h100(name: str, host: int = 0) -> Device:
-    # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 fp32; 80 GB HBM3 at 3,350 GB/s
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16/fp16 dense, 67 fp32; 80 GB HBM3 at 3,350 GB/s; 132 SMs
     return Device(name, "h100-80g", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-                  80 * GB, 3350 * GB, host=host, compute_eff=0.65, mem_eff=0.8, launch_overhead=4e-6)
+                  80 * GB, 3350 * GB, host=host, compute_eff=0.65, mem_eff=0.8, launch_overhead=4e-6, sm_count=132)
 
 
 def _v100(name: str, host: int = 0) -> Device:
     # NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor (no bf16: bf16 runs at fp32 rate), 15.7 fp32;
-    # 32 GB HBM2 at 900 GB/s
+    # 32 GB HBM2 at 900 GB/s; 80 SMs
     return Device(name, "v100-32g", {"fp16": 125e12, "bf16": 15.7e12, "fp32": 15.7e12},
-                  32 * GB, 900 * GB, host=host, compute_eff=0.7, mem_eff=0.8, launch_overhead=6e-6)
+                  32 * GB, 900 * GB, host=host, compute_eff=0.7, mem_eff=0.8, launch_overhead=6e-6, sm_count=80)
 
 
 def _t4(name: str, host: int = 0) -> Device:
-    # NVIDIA T4 datasheet: 65 TFLOP/s fp16 tensor, 8.1 fp32; 16 GB GDDR6 at 320 GB/s
+    # NVIDIA T4 datasheet: 65 TFLOP/s fp16 tensor, 8.1 fp32; 16 GB GDDR6 at 320 GB/s; 40 SMs
     return Device(name, "t4", {"fp16": 65e12, "bf16": 8.1e12, "fp32": 8.1e12}, 16 * GB, 320 * GB,
-                  host=host, compute_eff=0.6, mem_eff=0.8, launch_overhead=6e-6)
+                  host=host, compute_eff=0.6, mem_eff=0.8, launch_overhead=6e-6, sm_count=40)
 
 
 # NVLink3 through NVSwitch: 300 GB/s per direction per GPU (A100 datasheet); measured send/recv about

@@ -141,3 +141,14 @@ def simulation_cases():
         return g, topo, plan
 
     return cases()
+
+
+def gpu_only(topo):
+    """``topo`` with its hosts out of the picture (no host, collective, transfer or sync time) and no
+    wave quantisation: the roofline closed forms of the device side (tests/test_simulator*.py)."""
+    from envs.topology import Topology
+
+    for d in topo.devices:
+        d.host_overhead = d.comm_overhead = d.p2p_overhead = d.sync_overhead = 0.0
+        d.sm_count = 0
+    return Topology(topo.devices, topo.links, topo.switches, name=topo.name + "-gpu-only")

@@ -26,6 +26,8 @@ def run_cmd(
     check_steps: int = typer.Option(2, "--check-steps", min=0,
                                     help="steps whose loss must match the reference (0: all)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    record: str = typer.Option(None, "--record", help="append the measurement (model, plan, step times, memory) "
+                               "as one JSON line to this file, for `rlplace calibrate --measurements FILE`"),
 ) -> None:
     """Run WARMUP + STEPS training steps of the plan with torch.distributed (local workers, or this rank
     under torchrun); report the median step time, peak memory per rank and the loss against a
@@ -33,6 +35,10 @@ def run_cmd(
     from profilers.execute import execute_plan
     from profilers.execution_layout import WorkerError
 
+    if record:
+        from envs.files import check_output_path
+
+        check_output_path(record, "record file")
     try:
         report = execute_plan(plan, model, steps, warmup=warmup, backend=backend, seed=seed, dtype=dtype,
                               check=not no_check, check_steps=check_steps, timeout_s=timeout)
@@ -41,6 +47,8 @@ def run_cmd(
         raise SystemExit(1) from None
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return
+    if record:
+        append_record(record, model, plan, dtype, report)
     if as_json:
         typer.echo(finite_json(report.to_dict(), indent=2))
     else:
@@ -60,6 +68,22 @@ def run_cmd(
     if report.loss_matches is False:
         typer.echo("error: the loss does not match the single-process reference", err=True)
         raise SystemExit(1)
+
+
+def append_record(path: str, model: str, plan_path: str, dtype: str, report) -> None:
+    """Append one measurement as a JSON line (flushed to disk; a line is written whole or not at all)."""
+    from envs.plan import Plan
+
+    line = finite_json({"model": model, "dtype": dtype, "plan": Plan.load(plan_path).to_dict(),
+                        "median_step_time_s": report.median_step_time_s, "step_times_s": report.step_times,
+                        "peak_memory_per_rank": report.peak_memory_per_rank, "memory_kind": report.memory_kind,
+                        "tp": report.tp, "pp": report.pp, "dp": report.dp, "backend": report.backend}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def register(app: typer.Typer) -> None:

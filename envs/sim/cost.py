@@ -374,8 +374,10 @@ def optimizer_time(params: float, state_bytes_per_param: float, bandwidth: float
 class CommTimes:
     """Collective and transfer times of a topology, collectives cached (sizes repeat across microbatches),
     and the host time a device spends issuing each (``comm_overhead`` per collective, ``p2p_overhead``
-    per point-to-point transfer; with the host modelled, a transfer blocks its hosts until it is done:
-    Megatron-LM and DeepSpeed synchronise after pipeline sends and receives)."""
+    per point-to-point transfer, plus ``sync_overhead`` per further rank of a collective: the ranks'
+    hosts meet at every collective, and the more ranks the later the last arrives; with the host
+    modelled, a transfer blocks its hosts until it is done: Megatron-LM and DeepSpeed synchronise after
+    pipeline sends and receives)."""
 
     def __init__(self, topology: Topology):
         self.topo = topology
@@ -383,15 +385,18 @@ class CommTimes:
         devs = topology.devices
         self._coll_host = np.array([d.comm_overhead for d in devs])
         self._p2p_host = np.array([d.p2p_overhead for d in devs])
-        self._hosted = np.array([d.host_overhead > 0 or d.comm_overhead > 0 or d.p2p_overhead > 0 for d in devs])
+        self._sync_host = np.array([d.sync_overhead for d in devs])
+        self._hosted = np.array([d.host_overhead > 0 or d.comm_overhead > 0 or d.p2p_overhead > 0
+                                 or d.sync_overhead > 0 for d in devs])
 
     def host(self, devices: tuple[int, ...], transfer: bool) -> tuple[float, bool]:
         """(host seconds to issue a collective or transfer over ``devices``, whether it blocks the host)."""
         if not self._hosted.any():
             return 0.0, False
         idx = list(devices)
-        cost = float((self._p2p_host if transfer else self._coll_host)[idx].max())
-        return cost, bool(transfer and self._hosted[idx].any())
+        if transfer:
+            return float(self._p2p_host[idx].max()), bool(self._hosted[idx].any())
+        return float(self._coll_host[idx].max() + self._sync_host[idx].max() * (len(idx) - 1)), False
 
     def collective(self, kind: str, group: tuple[int, ...], nbytes: float) -> float:
         key = (kind, group, nbytes)
