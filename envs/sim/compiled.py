@@ -50,7 +50,7 @@ from envs.sim.cost import (
     optimizer_time,
 )
 from envs.sim.kernels import assemble_tasks, ddp_buckets, expand_groups, group_edges, stage_of
-from envs.sim.schedule import csr_and_indegree, schedule
+from envs.sim.schedule import busy_times, csr_and_indegree, schedule
 from envs.topology import Topology
 
 
@@ -448,31 +448,14 @@ class CompiledSimulator:
         if not latency and tail:
             grad_syncs = self._gradient_buckets(pa, bb, slope, extra)
             expand = self._optimizer_updates(pa, grad_syncs, extra)
-        host = self._host_costs(pa, groups, extra, len(step[0])) if self.hosted else None
+        *step, host, sync = step
         step = extra.append_to(*step)  # (drops the kernel's arrays before scheduling)
-        return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline, host)
-
-    def _host_costs(self, pa: PlanArrays, groups: EdgeGroups, extra: _ExtraTasks, n_kernel: int):
-        """(host seconds, blocks the host) of every task, in the task order: the compute tasks (node-major,
-        microbatch, F then B), each edge group's template tasks per microbatch, then the extra tasks."""
-        m, latency = pa.m, pa.objective == "latency"
-        per_node = pa.host_f[:, None] if latency else np.stack([pa.host_f, pa.host_b], axis=1)
-        compute = np.repeat(per_node[:, None, :], m, axis=1).reshape(-1)
-        ta = self._template_arrays()
-        starts = ta["s_tptr"][groups.signature]
-        lens = ta["s_tptr"][groups.signature + 1] - starts
-        reps = lens * m
-        total = int(reps.sum())
-        if total:
-            offset = np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps)
-            tidx = np.repeat(starts, reps) + offset % np.repeat(np.maximum(lens, 1), reps)
+        if self.hosted:
+            host = (np.concatenate([host, np.asarray(extra.host, dtype=np.float64)]),
+                    np.concatenate([sync, np.zeros(len(extra.host), dtype=bool)]))
         else:
-            tidx = np.zeros(0, dtype=np.int64)
-        cost = np.concatenate([compute, ta["t_host"][tidx], np.asarray(extra.host, dtype=np.float64)])
-        sync = np.concatenate([np.zeros(len(compute), dtype=bool), ta["t_sync"][tidx],
-                               np.zeros(len(extra.host), dtype=bool)])
-        assert len(compute) + total == n_kernel
-        return cost, sync
+            host = None
+        return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline, host)
 
     def _compute_and_comm_tasks(self, pa: PlanArrays, groups: EdgeGroups, fb, bb, slope):
         """The compute tasks and every edge group's communication, with their dependencies (the kernel)."""
@@ -486,10 +469,10 @@ class CompiledSimulator:
         g_ptr, g_dev, g_size = self._group_arrays()
         ta = self._template_arrays()
         return assemble_tasks(
-            self.n, pa.m, latency, slope, fb, bb, pa.fwd, pa.bwd, pa.gid, g_ptr, g_dev,
+            self.n, pa.m, latency, slope, fb, bb, pa.fwd, pa.bwd, pa.host_f, pa.host_b, pa.gid, g_ptr, g_dev,
             groups.producer, groups.signature, key_prf, key_prb, groups.cons_ptr, groups.consumers,
-            ta["s_tptr"], ta["t_dur"], ta["t_bwd"], ta["t_kind"], ta["t_rptr"], ta["t_ridx"], ta["t_dptr"],
-            ta["t_didx"], ta["f_rng"], ta["b_rng"], ta["st_ptr"], ta["st_idx"])
+            ta["s_tptr"], ta["t_dur"], ta["t_bwd"], ta["t_kind"], ta["t_host"], ta["t_sync"], ta["t_rptr"],
+            ta["t_ridx"], ta["t_dptr"], ta["t_didx"], ta["f_rng"], ta["b_rng"], ta["st_ptr"], ta["st_idx"])
 
     def _pipeline_constraints(self, pa: PlanArrays, stage: np.ndarray, p: int, extra: _ExtraTasks) -> None:
         """GPipe: no backward before the last forward; 1F1B: F(v, k) after B(v, k - (p - stage))."""
@@ -602,11 +585,7 @@ class CompiledSimulator:
         if done != nt:  # pragma: no cover - would be a bug in the task graph
             raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
         makespan = float(finish.max()) if nt else 0.0
-        dev_counts = np.diff(dev_ptr)
-        w = np.repeat(dur, dev_counts)
-        kind_rep = np.repeat(kind, dev_counts)
-        compute = np.bincount(dev_idx, weights=w * (kind_rep != KIND_COMM), minlength=nd)
-        commt = np.bincount(dev_idx, weights=w * (kind_rep == KIND_COMM), minlength=nd)
+        compute, commt = busy_times(dur, kind, dev_ptr, dev_idx, nd, KIND_COMM)
         mem = self.memory(pa, stage, p, expand)
         total = mem["total"]
         oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]

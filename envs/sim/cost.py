@@ -386,6 +386,7 @@ class CommTimes:
         self._coll_host = np.array([d.comm_overhead for d in devs])
         self._p2p_host = np.array([d.p2p_overhead for d in devs])
         self._sync_host = np.array([d.sync_overhead for d in devs])
+        self._host_cache: dict = {}
         self._hosted = np.array([d.host_overhead > 0 or d.comm_overhead > 0 or d.p2p_overhead > 0
                                  or d.sync_overhead > 0 for d in devs])
 
@@ -393,10 +394,16 @@ class CommTimes:
         """(host seconds to issue a collective or transfer over ``devices``, whether it blocks the host)."""
         if not self._hosted.any():
             return 0.0, False
-        idx = list(devices)
-        if transfer:
-            return float(self._p2p_host[idx].max()), bool(self._hosted[idx].any())
-        return float(self._coll_host[idx].max() + self._sync_host[idx].max() * (len(idx) - 1)), False
+        key = (devices, transfer)
+        hit = self._host_cache.get(key)
+        if hit is None:
+            idx = list(devices)
+            if transfer:
+                hit = float(self._p2p_host[idx].max()), bool(self._hosted[idx].any())
+            else:
+                hit = float(self._coll_host[idx].max() + self._sync_host[idx].max() * (len(idx) - 1)), False
+            self._host_cache[key] = hit
+        return hit
 
     def collective(self, kind: str, group: tuple[int, ...], nbytes: float) -> float:
         key = (kind, group, nbytes)

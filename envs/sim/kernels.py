@@ -20,9 +20,9 @@ _column_weighted = njit(cache=True)(cost.column_weighted)
 
 # ---------------------------------------------------------------------- task graph
 @njit(cache=True)
-def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
+def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
                    key_u, key_sig, key_prf, key_prb, cons_ptr, cons_idx,
-                   s_tptr, t_dur, t_bwd, t_kind, t_rptr, t_ridx, t_dptr, t_didx,
+                   s_tptr, t_dur, t_bwd, t_kind, t_host, t_sync, t_rptr, t_ridx, t_dptr, t_didx,
                    s_fptr, s_bptr, st_ptr, st_idx):
     """Emit the compute tasks (node-major, microbatch, F then B) and the communication tasks of every
     edge group (group-major, microbatch, template order) with their dependencies, as flat arrays.
@@ -30,13 +30,17 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
     Edge group q: producer ``key_u[q]``, template ``key_sig[q]``, consumers ``cons_idx[cons_ptr[q]:
     cons_ptr[q + 1]]``. Template s: tasks ``s_tptr[s]:s_tptr[s + 1]`` (duration, backward flag, kind,
     resources and devices as CSR), forward steps ``s_fptr[2s]:s_fptr[2s + 1]`` and backward steps
-    ``s_bptr[2s]:s_bptr[2s + 1]``, step z holding template tasks ``st_idx[st_ptr[z]:st_ptr[z + 1]]``."""
+    ``s_bptr[2s]:s_bptr[2s + 1]``, step z holding template tasks ``st_idx[st_ptr[z]:st_ptr[z + 1]]``. Each
+    task also gets its host cost (``hf`` / ``hb`` per node, ``t_host`` per template task) and whether it
+    blocks the host (``t_sync``)."""
     c = 1 if latency else 2
     key_off, nres, ndev, ndep = _count_tasks(n, m, latency, node_gid, g_ptr, key_sig, cons_ptr, s_tptr,
                                              t_rptr, t_dptr, s_fptr, s_bptr, st_ptr)
     nt = key_off[-1]
     dur = np.empty(nt)
     pri = np.empty(nt)
+    host = np.empty(nt)
+    sync = np.zeros(nt, dtype=np.bool_)
     kind = np.empty(nt, dtype=np.int64)
     res_ptr = np.empty(nt + 1, dtype=np.int64)
     res_idx = np.empty(nres, dtype=np.int64)
@@ -46,8 +50,8 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
     dst = np.empty(ndep, dtype=np.int64)
     res_ptr[0] = 0
     dev_ptr[0] = 0
-    t, rp, dq, e = _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
-                                       dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst)
+    t, rp, dq, e = _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
+                                       dur, pri, host, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst)
     # the ends of a chain: F(u) or B(u), and the consumers' F or B
     width = 1
     for q in range(key_u.shape[0]):
@@ -62,8 +66,8 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
         for k in range(m):
             base = key_off[q] + k * ntpl
             t, rp, dq = _emit_template_tasks(t0, ntpl, key_prf[q] + k * slope, key_prb[q] + k * slope, t_dur, t_bwd,
-                                             t_kind, t_rptr, t_ridx, t_dptr, t_didx, t, rp, dq,
-                                             dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx)
+                                             t_kind, t_host, t_sync, t_rptr, t_ridx, t_dptr, t_didx, t, rp, dq,
+                                             dur, pri, host, sync, kind, res_ptr, res_idx, dev_ptr, dev_idx)
             # forward: F(u) -> steps -> F(consumers)
             fu = (key_u[q] * m + k) * c
             first[0] = fu
@@ -79,7 +83,7 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
             last[0] = fu + 1
             e = _wire_chain(src, dst, e, first, c1 - c0, s_bptr[2 * s], s_bptr[2 * s + 1], st_ptr, st_idx, base,
                             last, 1)
-    return dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst
+    return dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst, host, sync
 
 
 @njit(cache=True, inline="always")
@@ -129,8 +133,8 @@ def _count_tasks(n, m, latency, node_gid, g_ptr, key_sig, cons_ptr, s_tptr, t_rp
 
 
 @njit(cache=True, inline="always")
-def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
-                        dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst):
+def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
+                        dur, pri, host, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst):
     """F (and B after it) of every node and microbatch, on the node's group; returns the next free
     task, resource, device and dependency slots."""
     t = 0
@@ -144,9 +148,11 @@ def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
                 if ph == 0:
                     dur[t] = ft[v]
                     pri[t] = fb[v] + k * slope
+                    host[t] = hf[v]
                 else:
                     dur[t] = bt[v]
                     pri[t] = bb[v] + k * slope
+                    host[t] = hb[v]
                     src[e] = t - 1
                     dst[e] = t
                     e += 1
@@ -163,12 +169,14 @@ def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, node_gid, g_ptr, g_dev,
 
 
 @njit(cache=True, inline="always")
-def _emit_template_tasks(t0, ntpl, pri_f, pri_b, t_dur, t_bwd, t_kind, t_rptr, t_ridx, t_dptr, t_didx, t, rp, dq,
-                         dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx):
+def _emit_template_tasks(t0, ntpl, pri_f, pri_b, t_dur, t_bwd, t_kind, t_host, t_sync, t_rptr, t_ridx, t_dptr,
+                         t_didx, t, rp, dq, dur, pri, host, sync, kind, res_ptr, res_idx, dev_ptr, dev_idx):
     """A template's tasks for one microbatch (forward ones at ``pri_f``, backward ones at ``pri_b``);
     returns the next free task, resource and device slots."""
     for j in range(t0, t0 + ntpl):
         dur[t] = t_dur[j]
+        host[t] = t_host[j]
+        sync[t] = t_sync[j]
         pri[t] = pri_b if t_bwd[j] else pri_f
         kind[t] = t_kind[j]
         for x in range(t_rptr[j], t_rptr[j + 1]):

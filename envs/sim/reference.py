@@ -48,7 +48,7 @@ from envs.sim.cost import (
     produced_state,
     required_state,
 )
-from envs.sim.schedule import schedule, to_csr
+from envs.sim.schedule import busy_times, schedule, to_csr
 from envs.topology import Topology
 
 
@@ -300,7 +300,7 @@ def _schedule_and_report(s: _Step, T: _TaskGraph, want_timeline: bool) -> StepRe
     dst = np.asarray(T.dst, dtype=np.int64)
     succ_ptr, succ_idx = to_csr(src, dst, nt)
     n_pred = np.bincount(dst, minlength=nt).astype(np.int64)
-    dev_counts, dev_ptr, dev_idx = _csr(T.devs)
+    _, dev_ptr, dev_idx = _csr(T.devs)
     start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd,
                                    np.asarray(T.host), np.asarray(T.sync, dtype=bool), dev_ptr, dev_idx, nd)
     if done != nt:  # pragma: no cover - would be a bug in the task graph
@@ -308,11 +308,7 @@ def _schedule_and_report(s: _Step, T: _TaskGraph, want_timeline: bool) -> StepRe
     makespan = float(finish.max()) if nt else 0.0
 
     kinds = np.asarray(T.kind, dtype=np.int64)
-    owner = np.repeat(np.arange(nt), dev_counts)
-    dur_rep = dur[owner]
-    kind_rep = kinds[owner]
-    compute = np.bincount(dev_idx, weights=dur_rep * (kind_rep != KIND_COMM), minlength=nd)
-    commt = np.bincount(dev_idx, weights=dur_rep * (kind_rep == KIND_COMM), minlength=nd)
+    compute, commt = busy_times(dur, kinds, dev_ptr, dev_idx, nd, KIND_COMM)
     mem = memory(s.graph, topology, s.plan, s.stage, s.p, s.objective)
     total = mem["total"]
     oom = [int(d) for d in np.flatnonzero(total > mem["capacity"])]

@@ -160,6 +160,20 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
     return start, finish, done
 
 
+@njit(cache=True)
+def busy_times(duration, kind, dev_ptr, dev_idx, n_devices, comm_kind):
+    """Per device: seconds busy computing (every task not of ``comm_kind``) and communicating."""
+    compute = np.zeros(n_devices)
+    comm = np.zeros(n_devices)
+    for t in range(duration.shape[0]):
+        for k in range(dev_ptr[t], dev_ptr[t + 1]):
+            if kind[t] == comm_kind:
+                comm[dev_idx[k]] += duration[t]
+            else:
+                compute[dev_idx[k]] += duration[t]
+    return compute, comm
+
+
 def schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources,
              host_cost=None, host_sync=None, dev_ptr=None, dev_idx=None, n_devices: int = 0):
     """Start and finish of every task: :func:`list_schedule_hosted` when any task costs host time,
