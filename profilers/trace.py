@@ -27,6 +27,18 @@ from it:
 * **bytes**: ``out_bytes`` from the node's fake tensor (``node.meta["val"]``, all outputs of a
   multi-output op); edge bytes are the bytes of the tensor the consumer receives (a slice of a
   split counts its slice), at most the producer's output; ``mem_bytes`` = inputs + outputs + params.
+* **GEMMs**: every matrix multiply an op runs is listed with its shape (``gemm_node``, ``gemm_shape``,
+  ``gemm_kind``; the cost model times each by shape, see ``envs.sim.cost.op_times``), at the traced
+  batch: a linear / ``addmm`` / ``mm`` / ``matmul`` / ``bmm`` with one sample-independent operand (a
+  weight, possibly cast or viewed) is ``GEMM_DENSE`` (m = the samples' rows, e.g. batch x seq; n = out
+  features; k = in features; batch = the weight's own batch dims, e.g. experts), convolutions are
+  implicit GEMMs (``GEMM_DENSE``, m = N x output pixels, n = C_out / groups, k = C_in / groups x kernel,
+  batch = groups; transposed: m = N x input pixels, n = C_out / groups x kernel, k = C_in / groups), a
+  batched product of two activations (``bmm``, ``baddbmm``, ``matmul``) is ``GEMM_PER_HEAD``, and
+  scaled-dot-product attention runs two (QK^T: s_q x s_k x d, PV: s_q x d_v x s_k; batch = B x heads).
+  An op's rows are kept only when their FLOPs do not exceed the op's counted forward FLOPs (else
+  ``graph.meta["gemm_rejected"]`` names it); a fused leaf-module node carries its members' rows.
+  ``einsum`` (kept whole by export), RNNs and backward GEMMs (the simulator derives them) are not listed.
 * **backward FLOPs** are left to OpGraph's default (2x forward for ops with weights, 1x otherwise).
 """
 
@@ -48,7 +60,7 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from envs.errors import RlplaceError
-from envs.graph import CAN_BATCH, CAN_REPLICATE, OpGraph, default_layout_caps
+from envs.graph import CAN_BATCH, CAN_REPLICATE, GEMM_DENSE, GEMM_PER_HEAD, OpGraph, default_layout_caps
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                                   "tf32": torch.float32}
@@ -128,6 +140,8 @@ _KIND_MAP = {
 _FLOPS_PER_ELEMENT = {"softmax": 5.0, "layernorm": 5.0, "rmsnorm": 4.0, "groupnorm": 5.0,
                       "instancenorm": 5.0, "batchnorm": 4.0, "gelu": 8.0, "silu": 4.0, "loss": 5.0}
 _REDUCING = {"reduce", "loss", "maxpool", "avgpool", "topk"}
+_CONV_OPS = {"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+             "convolution_overrideable", "mkldnn_convolution", "cudnn_convolution"}
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -149,8 +163,7 @@ def _op_name(node: torch.fx.Node) -> str:
 
 def _kind(op: str, node: torch.fx.Node, has_params: bool, vals: list[torch.Tensor]) -> str:
     """Normalised op kind (see envs.graph.WEIGHTED_SPLITTABLE / SHARDABLE_ELEMENTWISE)."""
-    if op in ("convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-              "conv_transpose3d", "convolution_overrideable", "mkldnn_convolution", "cudnn_convolution"):
+    if op in _CONV_OPS:
         w = node.args[1] if len(node.args) > 1 else None
         wv = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
         dims = (wv.dim() - 2) if isinstance(wv, torch.Tensor) else 2
@@ -470,9 +483,11 @@ def graph_and_members(ep: torch.export.ExportedProgram, *, batch_size: int, dtyp
     for n in ep.graph.nodes:
         flow.visit(n)
     edge = flow.edge_bytes()
+    own_flops = {n: flow.rec[n]["flops"] for n in flow.kept}  # before fusion replaces the records
     kept, edge = _fuse_leaf_modules(flow.kept, flow.rec, edge)
-    graph = _op_graph(flow, kept, edge, _node_names(kept, flow.rec, user_inputs), failed, batch_size=batch_size,
-                      dtype=dtype, name=name)
+    gemms, rejected = _graph_gemms(kept, flow.rec, own_flops, _sample_dependent(ep, user_inputs))
+    graph = _op_graph(flow, kept, edge, _node_names(kept, flow.rec, user_inputs), failed, gemms, rejected,
+                      batch_size=batch_size, dtype=dtype, name=name)
     return graph, [list(flow.rec[n]["members"]) for n in kept]
 
 
@@ -612,9 +627,172 @@ class _Dataflow:
         return edge
 
 
+# ---------------------------------------------------------------------------- GEMMs
+_MATMUL_OPERANDS = {"linear": (0, 1), "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "addmm": (1, 2),
+                    "baddbmm": (1, 2), "addbmm": (1, 2)}  # op -> the argument positions of its two factors
+_MAX_GEMM_DIM = 10**12  # OpGraph's bound on a GEMM's m, n, k and batch
+Gemm = tuple[int, int, int, int, int]  # (m, n, k, batch, kind) at the traced batch
+
+
+def _sample_dependent(ep: torch.export.ExportedProgram, user_inputs: Sequence[str]) -> dict[torch.fx.Node, bool]:
+    """Per fx node, whether its value depends on a user input (the samples) rather than on parameters,
+    buffers and constants only (a weight cast to bf16 or transposed is still a weight)."""
+    users = set(user_inputs)
+    dep: dict[torch.fx.Node, bool] = {}
+    for n in ep.graph.nodes:
+        dep[n] = n.name in users if n.op == "placeholder" else any(dep.get(a, False) for a in n.all_input_nodes)
+    return dep
+
+
+def _dims(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Static (shape, stride) of a tensor value, or None (not a tensor, or a symbolic size)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        shape, stride = tuple(t.shape), tuple(t.stride())
+    except (RuntimeError, NotImplementedError):  # sparse or otherwise strideless
+        return None
+    if not all(isinstance(x, int) for x in shape + stride):
+        return None
+    return shape, stride
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def _matmul_gemm(a: tuple, b: tuple, dep_a: bool, dep_b: bool) -> Gemm | None:
+    """The GEMM of ``A[..., M, K] @ B[..., K, N]`` (``a``, ``b``: (shape, stride); 1-D factors as in
+    torch.matmul). Two sample-dependent factors: a per-head batched GEMM over the broadcast batch dims. One:
+    a dense weight GEMM whose m are the sample side's rows (all its batch dims folded in, so the transpose
+    ``W @ X`` counts as ``X^T @ W^T``), batch = the weight's own (not broadcast) batch dims. None: no row."""
+    (sa, ta), (sb, tb) = a, b
+    if len(sa) == 1:
+        sa, ta = (1, sa[0]), (0, ta[0])
+    if len(sb) == 1:
+        sb, tb = (sb[0], 1), (tb[0], 0)
+    if len(sa) < 2 or len(sb) < 2 or sa[-1] != sb[-2] or not (dep_a or dep_b):
+        return None
+    m_, k_, n_ = sa[-2], sa[-1], sb[-1]
+    try:
+        batch = _prod(torch.broadcast_shapes(sa[:-2], sb[:-2]))
+    except RuntimeError:
+        return None
+    if dep_a and dep_b:
+        return (m_, n_, k_, batch, GEMM_PER_HEAD)
+    w_shape, w_stride = (sb, tb) if dep_a else (sa, ta)
+    rows, out_features = batch * (m_ if dep_a else n_), (n_ if dep_a else m_)
+    wb = _prod(d for d, st in zip(w_shape[:-2], w_stride[:-2]) if st != 0)  # expanded dims have stride 0
+    if wb < 1 or rows % wb:
+        wb = 1
+    return (rows // wb, out_features, k_, wb, GEMM_DENSE)
+
+
+def _conv_gemm(n: torch.fx.Node, op: str, x: tuple, w: tuple) -> Gemm | None:
+    """A convolution as an implicit GEMM (groups from the shapes: weight [C_out, C_in / g, *kernel], for a
+    transposed one [C_in, C_out / g, *kernel]): m = N x output pixels, n = C_out / g, k = C_in / g x kernel,
+    batch = g; transposed (the data gradient of a convolution): m = N x input pixels, n = C_out / g x kernel,
+    k = C_in / g. Both give FlopCounterMode's count exactly."""
+    out = _dims(n.meta.get("val"))
+    (sx, _), (sw, _) = x, w
+    sd = len(sw) - 2
+    if out is None or sd < 1 or len(sx) < sd + 1 or len(out[0]) < sd + 1:
+        return None
+    so = out[0]
+    batch_n, c_in, kernel = _prod(sx[:-(sd + 1)]), sx[-(sd + 1)], _prod(sw[2:])
+    transposed = "transpose" in op or (op in ("convolution", "convolution_overrideable") and len(n.args) > 6
+                                       and n.args[6] is True)
+    if transposed:
+        c_out, cout_g = so[-(sd + 1)], sw[1]
+        if cout_g < 1 or c_out % cout_g or sw[0] != c_in:
+            return None
+        g = c_out // cout_g
+        if c_in % g:
+            return None
+        return (batch_n * _prod(sx[-sd:]), cout_g * kernel, c_in // g, g, GEMM_DENSE)
+    c_out, cin_g = sw[0], sw[1]
+    if cin_g < 1 or c_in % cin_g:
+        return None
+    g = c_in // cin_g
+    if c_out % g:
+        return None
+    return (batch_n * _prod(so[-sd:]), c_out // g, cin_g * kernel, g, GEMM_DENSE)
+
+
+def _sdpa_gemms(args: tuple) -> list[Gemm]:
+    """The two batched GEMMs of scaled-dot-product attention on q [..., s_q, d], k [..., s_k, d],
+    v [..., s_k, d_v]: QK^T (s_q, s_k, d) and PV (s_q, d_v, s_k), batch = B x query heads."""
+    qkv = [_dims(a.meta.get("val")) if isinstance(a, torch.fx.Node) else None for a in args[:3]]
+    if len(qkv) < 3 or any(t is None or len(t[0]) < 2 for t in qkv):
+        return []
+    (sq, _), (sk, _), (sv, _) = qkv
+    if sk[-1] != sq[-1] or sv[-2] != sk[-2]:
+        return []
+    batch = _prod(sq[:-2])
+    return [(sq[-2], sk[-2], sq[-1], batch, GEMM_PER_HEAD), (sq[-2], sv[-1], sk[-2], batch, GEMM_PER_HEAD)]
+
+
+def _fx_gemms(n: torch.fx.Node, dep: Mapping[torch.fx.Node, bool]) -> list[Gemm]:
+    """The matrix multiplies one exported op runs (forward only; see the module docstring)."""
+    if n.op != "call_function":
+        return []
+    op = _op_name(n)
+
+    def operand(i: int) -> tuple[tuple | None, bool]:
+        a = n.args[i] if len(n.args) > i else None
+        if not isinstance(a, torch.fx.Node):
+            return None, False
+        return _dims(a.meta.get("val")), dep.get(a, False)
+
+    if "scaled_dot_product" in op and "attention" in op and "backward" not in op:
+        return _sdpa_gemms(tuple(n.args))
+    if op in _MATMUL_OPERANDS:
+        (a, da), (b, db) = (operand(i) for i in _MATMUL_OPERANDS[op])
+        if a is None or b is None:
+            return []
+        if op == "linear":  # weight [N, K] (or [K]): the factor is its transpose
+            if len(b[0]) not in (1, 2):
+                return []
+            b = (b[0][::-1], b[1][::-1]) if len(b[0]) == 2 else (b[0], b[1])
+        row = _matmul_gemm(a, b, da, db)
+        return [row] if row is not None else []
+    if op in _CONV_OPS:
+        (x, dx), (w, dw) = operand(0), operand(1)
+        if x is None or w is None or not dx or dw:  # a weight convolving the samples
+            return []
+        row = _conv_gemm(n, op, x, w)
+        return [row] if row is not None else []
+    return []
+
+
+def _graph_gemms(kept: Sequence[torch.fx.Node], rec: dict, own_flops: Mapping[torch.fx.Node, float],
+                 dep: Mapping[torch.fx.Node, bool]) -> tuple[list[tuple[int, Gemm]], list[str]]:
+    """Per OpGraph node (index into ``kept``), the GEMMs of the fx ops it stands for (its ``members``; a fused
+    leaf-module node has all of theirs), and the ops whose GEMMs were dropped because their FLOPs exceed
+    what the op counted (``own_flops``: each fx op's forward FLOPs before fusion)."""
+    rows: list[tuple[int, Gemm]] = []
+    rejected: set[str] = set()
+    for v, node in enumerate(kept):
+        for member in rec[node]["members"]:
+            gemms = [g for g in _fx_gemms(member, dep) if all(1 <= x <= _MAX_GEMM_DIM for x in g[:4])]
+            if not gemms:
+                continue
+            gflops = sum(2.0 * m * nn_ * k * b for m, nn_, k, b, _ in gemms)
+            if gflops > own_flops.get(member, 0.0) * (1.0 + 1e-6):
+                rejected.add(_op_name(member))
+                continue
+            rows.extend((v, g) for g in gemms)
+    return rows, sorted(rejected)
+
+
 def _op_graph(flow: _Dataflow, kept: list[torch.fx.Node], edge: dict[tuple[int, int], float], names: list[str],
-              failed: set, *, batch_size: int, dtype: str, name: str) -> OpGraph:
-    """The OpGraph of the kept (and fused) nodes: costs, layout capabilities and the trace's meta."""
+              failed: set, gemms: Sequence[tuple[int, Gemm]] = (), gemm_rejected: Sequence[str] = (), *,
+              batch_size: int, dtype: str, name: str) -> OpGraph:
+    """The OpGraph of the kept (and fused) nodes: costs, layout capabilities, GEMMs (node index, (m, n, k,
+    batch, kind)) and the trace's meta."""
     rec, param_bytes_of = flow.rec, flow.param_bytes_of
     kinds = [rec[n]["kind"] for n in kept]
     pbytes = np.array([sum(param_bytes_of.get(p, 0.0) for p in rec[n]["params"]) for n in kept])
@@ -635,6 +813,8 @@ def _op_graph(flow: _Dataflow, kept: list[torch.fx.Node], edge: dict[tuple[int, 
         "shared_params": {k: v for k, v in flow.shared.items()},
         "inputs": "kept as nodes of kind 'input' (zero FLOPs, out_bytes = input size)",
         "no_meta_kernel": sorted({_op_name(n) for n in failed}),
+        "gemm_flops": float(sum(2.0 * m * n_ * k * b for _, (m, n_, k, b, _) in gemms)),
+        "gemm_rejected": list(gemm_rejected),
     }
     return OpGraph(
         names=names, kinds=kinds, module_paths=[rec[n]["path"] for n in kept],
@@ -642,6 +822,9 @@ def _op_graph(flow: _Dataflow, kept: list[torch.fx.Node], edge: dict[tuple[int, 
         mem_bytes=in_bytes + out_bytes + pbytes, layout_caps=caps,
         n_ops=np.array([rec[n].get("n_ops", 1) for n in kept], dtype=np.int64),
         edge_src=[s for s, _ in es], edge_dst=[d for _, d in es], edge_bytes=[edge[k] for k in es],
+        gemm_node=np.array([v for v, _ in gemms], dtype=np.int64),
+        gemm_shape=np.array([g[:4] for _, g in gemms], dtype=np.float64).reshape(-1, 4),
+        gemm_kind=np.array([g[4] for _, g in gemms], dtype=np.int64),
         batch_size=batch_size, dtype=dtype, name=name, meta=meta,
     )
 
