@@ -220,6 +220,27 @@ class OpGraph:
     def num_gemms(self) -> int:
         return int(self.gemm_node.shape[0])
 
+    def checkpoint_ends(self) -> np.ndarray:
+        """Per node: it is the last (in topological order) of its checkpoint region, the unit a framework
+        recomputes at once -- a repeated layer (module path up to its index, ``layers.3``) or a top-level
+        module (``embed``; inputs are in none), as Megatron's ``--recompute-method uniform --recompute-num-layers 1`` and the
+        executor's blocks do."""
+        cached = getattr(self, "_checkpoint_ends", None)
+        if cached is None or cached.shape[0] != self.num_nodes:
+            region: dict[str, int] = {}
+            last = np.full(self.num_nodes, -1, dtype=np.int64)
+            for v in self.topological_order().tolist():
+                if self.kinds[v] == "input":
+                    continue
+                parts = self.module_paths[v].split(".") if self.module_paths[v] else [self.names[v]]
+                cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
+                r = region.setdefault(".".join(parts[:cut]), len(region))
+                last[r] = v
+            cached = np.zeros(self.num_nodes, dtype=bool)
+            cached[last[last >= 0]] = True
+            self._checkpoint_ends = cached
+        return cached
+
     def gemms_of(self, v: int) -> list[tuple[float, float, float, float, int]]:
         """The GEMMs of node ``v`` as (m, n, k, batch, kind) at the traced batch."""
         lo, hi = np.searchsorted(self.gemm_node, [v, v + 1])

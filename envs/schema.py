@@ -113,6 +113,7 @@ class DeviceDoc(_Doc):
     comm_overhead: _num(0.0, LIMITS["latency"]) = 0.0
     p2p_overhead: _num(0.0, LIMITS["latency"]) = 0.0
     sync_overhead: _num(0.0, LIMITS["latency"]) = 0.0
+    recompute_overhead: _num(0.0, LIMITS["latency"]) = 0.0
     count: _int(1, 10**9) = 1
 
 

@@ -63,6 +63,7 @@ class Device:
     comm_overhead: float = 0.0  # s of host time to issue one collective (NCCL call through the framework)
     p2p_overhead: float = 0.0  # s of host time per point-to-point transfer (the pipeline engine's send/recv)
     sync_overhead: float = 0.0  # s of host time a collective adds per further rank (rendezvous of the ranks)
+    recompute_overhead: float = 0.0  # s a recomputed checkpoint region adds (torch.utils.checkpoint's machinery)
 
     def flops(self, dtype: str = "bf16") -> float:
         """Achievable FLOP/s for ``dtype`` (falls back to fp32, then to the largest listed)."""
@@ -98,7 +99,8 @@ def _check_device(d: Device) -> None:
         v = getattr(d, attr)
         if not (0 < v <= 1):
             raise TopologyError(f"device {d.name!r}: {attr} must be in (0, 1], got {v}")
-    for attr in ("launch_overhead", "host_overhead", "comm_overhead", "p2p_overhead", "sync_overhead"):
+    for attr in ("launch_overhead", "host_overhead", "comm_overhead", "p2p_overhead", "sync_overhead",
+                 "recompute_overhead"):
         v = getattr(d, attr)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1.0):
             raise TopologyError(f"device {d.name!r}: {attr} must be in [0, 1] s, got {v}")

@@ -7,9 +7,10 @@ diverse set of plans the executor can run (single device with 1-4 microbatches, 
 2-stage pipelines with GPipe / 1F1B and several microbatch counts, tensor parallel over 2, each with
 and without full recomputation), measures every plan with :class:`profilers.measured_evaluator.
 MeasuredEvaluator` (a persistent gloo pool per model; median of the timed steps), simulates it on the
-*uncalibrated* ``cpu-local`` defaults, then fits the five cost parameters of
-:mod:`profilers.fidelity_fit` on a training subset (random 60%) and reports Spearman rank correlation
-and MAPE on the training and the held-out plans, before and after. Plans are in fp32, as executed,
+*uncalibrated* ``cpu-local`` defaults, then fits the device's and link's rates
+(``profilers.step_calibration.ABSOLUTE_FIT``: FLOP/s, memory bandwidth, time per kernel, link latency
+and bandwidth; robust loss, several starts) on a training subset (random 60%) and reports Spearman
+rank correlation and MAPE on the training and the held-out plans, before and after. Plans are in fp32, as executed,
 with 8 bytes of model state per parameter (SGD: weights + gradients).
 
 Outputs (``--out``, each written atomically): ``results.json`` (every plan, measured and predicted
@@ -36,7 +37,7 @@ from envs.files import atomic_write_json, atomic_write_text
 from envs.gantt import save_figure
 from envs.plan import Plan, megatron_plan, single_device_plan
 from envs.topology import Topology
-from profilers.fidelity_fit import Sample, fit, metrics, params_of, predict
+from profilers.step_calibration import ABSOLUTE_FIT, PARAMETERS, Sample, fit, metrics, predict
 
 MODELS = ["mlp:layers=3,hidden=128,in_dim=64,out=16,batch=16",
           "mlp:layers=4,hidden=512,in_dim=256,out=64,batch=32",
@@ -129,7 +130,7 @@ def plot(path: Path, measured: np.ndarray, before: np.ndarray, after: np.ndarray
 
 def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity", *, steps: int = 5,
         warmup: int = 2, rounds: int = 3, seed: int = 0, train_fraction: float = 0.6, install: bool = False,
-        models: list[str] | None = None, log=print) -> dict[str, Any]:
+        models: list[str] | None = None, params: tuple[str, ...] = ABSOLUTE_FIT, log=print) -> dict[str, Any]:
     """Measure, simulate, fit and report (see the module docstring); returns the results dict."""
     t_start = time.time()
     topo0 = default_topology(2)
@@ -141,7 +142,8 @@ def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity"
     train = train_split(len(samples), train_fraction, rng)
     meas = np.array([s.measured for s in samples])
     before = predict(samples, topo0)
-    res = fit([s for s, t in zip(samples, train) if t], topo0)
+    res = fit([s for s, t in zip(samples, train) if t], topo0, params, starts=3, loss="soft_l1",
+              max_nfev=400)
     after = predict(samples, res.topology)
     report: dict[str, Any] = {"command": f"python -m experiments.fidelity --plans {plans} --rounds {rounds} --steps "
                                          f"{steps} --warmup {warmup} --seed {seed}", "host_cpus": os.cpu_count(), "steps": steps, "warmup": warmup, "seed": seed,
@@ -149,16 +151,16 @@ def run(plans: int = 30, out: str | os.PathLike = "experiments/results/fidelity"
                               "measure_seconds": t_meas, "rounds": rounds,
                               "round_spread_median": float(np.median(spread)) if spread else None,
                               "round_mape_to_median": _noise(samples), "fit_evaluations": res.evaluations,
-                              "params_before": params_of(topo0).to_dict(), "params_after": res.params.to_dict(),
+                              "params_before": {p: PARAMETERS[p].read(topo0) for p in params}, "params_after": res.values,
                               "metrics": {}, "plans": [], "refused": refused}
     for name, pred in (("before", before), ("after", after)):
         report["metrics"][name] = {"train": metrics(pred[train], meas[train]),
                                    "heldout": metrics(pred[~train], meas[~train]) if (~train).any() else None,
                                    "all": metrics(pred, meas)}
     for i, s in enumerate(samples):
-        report["plans"].append({"model": s.meta["model"], "plan": s.label, "train": bool(train[i]),
+        report["plans"].append({"model": s.model, "plan": s.config["plan"], "train": bool(train[i]),
                                 "measured_s": float(meas[i]), "before_s": float(before[i]), "after_s": float(after[i]),
-                                "round_times": s.meta["round_times"]})
+                                "round_times": s.config["round_times"]})
     write_outputs(Path(out), report, res, install, meas, before, after, train, t_start)
     log(markdown(report))
     return report
@@ -226,7 +228,7 @@ def measured_samples(cands: list, times: dict[int, list[float]], log) -> tuple[l
             continue
         t = float(np.median(times[i]))
         spread.append(max(times[i]) / min(times[i]))
-        samples.append(Sample(g, p, t, label=label, meta={"model": spec, "round_times": times[i]}))
+        samples.append(Sample(g, p, t, model=spec, config={"plan": label, "round_times": times[i]}))
         log(f"  {spec[:40]:40s} {label:28s} measured {t * 1e3:8.2f} ms  (rounds: "
             + ", ".join(f"{x * 1e3:.1f}" for x in times[i]) + ")")
     return samples, spread
@@ -266,8 +268,8 @@ def _pct(x: float | None) -> str:
 
 def _noise(samples: list[Sample]) -> float | None:
     """Mean |round time - plan median| / plan median: the measurement noise floor of any MAPE."""
-    errs = [abs(t - s.measured) / s.measured for s in samples for t in s.meta["round_times"]
-            if len(s.meta["round_times"]) > 1]
+    errs = [abs(t - s.measured) / s.measured for s in samples for t in s.config["round_times"]
+            if len(s.config["round_times"]) > 1]
     return float(np.mean(errs)) if errs else None
 
 
@@ -276,7 +278,7 @@ def markdown(rep: dict[str, Any]) -> str:
         m = rep["metrics"][name][split]
         if m is None:
             return ""
-        return f"| {name} | {split} | {m['n']} | {m['spearman']:.3f} | {100 * m['mape']:.1f}% | {m['median_ratio']:.3f} |"
+        return f"| {name} | {split} | {m['n']} | {m['spearman']:.3f} | {100 * m['mape']:.1f}% | {m['mean_ratio']:.3f} |"
 
     lines = ["# Simulator fidelity on cpu-local (measured with a persistent gloo pool)", "",
              f"`{rep.get('command', '')}` ({rep.get('total_seconds', 0):.0f} s)", "",
@@ -285,7 +287,7 @@ def markdown(rep: dict[str, Any]) -> str:
              f"(plans visited in a new random order each round); host CPUs: {rep['host_cpus']}. Measurement noise: "
              f"a round deviates from the plan's median by {_pct(rep['round_mape_to_median'])} on average "
              f"(median max/min over rounds {rep['round_spread_median'] or float('nan'):.2f}).", "",
-             "| topology | split | n | Spearman | MAPE | median sim/meas |", "|---|---|---|---|---|---|"]
+             "| topology | split | n | Spearman | MAPE | mean sim/meas |", "|---|---|---|---|---|---|"]
     for name in ("before", "after"):
         for split in ("train", "heldout", "all"):
             r = row(name, split)

@@ -53,6 +53,11 @@ class Param:
     hi: float
     doc: str
 
+    @property
+    def is_time(self) -> bool:
+        """Seconds (an overhead or a latency) rather than a rate or a fraction."""
+        return self.name.endswith(("overhead", "latency"))
+
     def read(self, topo: Topology) -> float:
         kind, _, attr = self.name.partition(".")
         if kind == "device":
@@ -70,6 +75,7 @@ PARAMETERS: dict[str, Param] = {p.name: p for p in (
     Param("device.comm_overhead", 1e-7, 1e-2, "host time to issue one collective (s)"),
     Param("device.p2p_overhead", 1e-7, 1e-1, "host time per point-to-point transfer (s)"),
     Param("device.sync_overhead", 1e-8, 1e-2, "host time a collective adds per further rank (s)"),
+    Param("device.recompute_overhead", 1e-7, 1e-1, "time a recomputed checkpoint region adds (s)"),
     Param("device.peak_flops", 1e6, 1e17, "peak FLOP/s, every dtype (for devices without a datasheet)"),
     Param("device.mem_bw", 1e6, 1e14, "memory bandwidth (bytes/s)"),
     Param("link.efficiency", 0.01, 1.0, "achieved fraction of every link's bandwidth"),
@@ -78,6 +84,9 @@ PARAMETERS: dict[str, Param] = {p.name: p for p in (
 )}
 DEFAULT_FIT = ("device.compute_eff", "device.host_overhead", "device.comm_overhead", "device.p2p_overhead",
                "device.sync_overhead", "link.efficiency")
+# for devices without a datasheet (a CPU core, an unknown accelerator): the rates themselves
+ABSOLUTE_FIT = ("device.peak_flops", "device.mem_bw", "device.launch_overhead", "device.recompute_overhead",
+                "link.latency", "link.bandwidth")
 
 
 def with_parameters(base: Topology, values: dict[str, float], *, name: str | None = None,
@@ -196,6 +205,17 @@ def samples_from_runs(path: str | os.PathLike) -> list[Sample]:
     return out
 
 
+def check_samples(samples: Sequence[Sample], topology: Topology) -> None:
+    """Every sample's plan must be valid on ``topology`` (devices it names, its degrees and groups)."""
+    from envs.errors import PlanError
+
+    for i, s in enumerate(samples):
+        try:
+            s.plan.validate(s.graph, topology)
+        except PlanError as exc:
+            raise CalibrationError(f"measurement {i + 1} ({s.model}): {exc}") from None
+
+
 def split_by_model(samples: Sequence[Sample], fraction: float = 0.3, seed: int = 0,
                    holdout: Sequence[str] | None = None) -> tuple[list[Sample], list[Sample]]:
     """(fit, held out): whole models held out (``holdout`` names them, else models drawn at random until
@@ -278,10 +298,13 @@ class FitResult:
 
 
 def fit(samples: Sequence[Sample], base: Topology, params: Sequence[str] = DEFAULT_FIT, *, max_rows: int = 400,
-        seed: int = 0, max_nfev: int = 60, start: dict[str, float] | None = None,
-        log: Callable[[str], None] | None = None) -> FitResult:
+        seed: int = 0, max_nfev: int = 60, start: dict[str, float] | None = None, starts: int = 1,
+        loss: str = "linear", f_scale: float = 0.1, log: Callable[[str], None] | None = None) -> FitResult:
     """Least squares on ``log(simulated / measured)`` over (at most ``max_rows`` of) ``samples``,
-    changing ``params`` of ``base`` within their ranges (see the module docstring)."""
+    changing ``params`` of ``base`` within their ranges (see the module docstring). ``starts`` > 1 also
+    starts from the base values scaled by 10, 0.1, 100, 0.01 (rates divided, times multiplied; for
+    devices without a datasheet, whose guesses may be far off) and keeps the best; ``loss`` is
+    ``least_squares``' (``soft_l1`` with ``f_scale`` ~ the noise in log units is robust to outliers)."""
     from scipy.optimize import least_squares
 
     say = log or (lambda _m: None)
@@ -290,15 +313,18 @@ def fit(samples: Sequence[Sample], base: Topology, params: Sequence[str] = DEFAU
     bad = [p for p in params if p not in PARAMETERS]
     if bad:
         raise CalibrationError(f"unknown parameter {bad[0]!r}; choose from {', '.join(PARAMETERS)}")
+    if not params:
+        raise CalibrationError("calibration needs at least one parameter to fit")
     rng = np.random.default_rng(seed)
     rows = list(samples) if len(samples) <= max_rows else [samples[i] for i in sorted(
         rng.choice(len(samples), size=max_rows, replace=False).tolist())]
     meas = np.array([s.measured for s in rows])
+    if not np.all(np.isfinite(meas) & (meas > 0)):
+        raise CalibrationError("measured step times must be positive and finite")
     specs = [PARAMETERS[p] for p in params]
     x0 = {p.name: min(max((start or {}).get(p.name, p.read(base)), p.lo), p.hi) for p in specs}
     lo = np.log([p.lo for p in specs])
-    hi = np.log([p.hi for p in specs])
-    origin = np.log([x0[p.name] for p in specs])
+    hi = np.maximum(np.log([p.hi for p in specs]), lo + 1e-12)
     evals = 0
 
     def values_of(x: np.ndarray) -> dict[str, float]:
@@ -312,9 +338,16 @@ def fit(samples: Sequence[Sample], base: Topology, params: Sequence[str] = DEFAU
             say(f"fit: evaluation {evals}, RMS log error {float(np.sqrt(np.mean(r ** 2))):.4f}")
         return r
 
-    res = least_squares(residuals, origin, bounds=(lo, np.maximum(hi, lo + 1e-12)), diff_step=0.02, x_scale=1.0,
-                        max_nfev=max_nfev, method="trf")
-    values = values_of(res.x)
+    best = None
+    for scale in (1.0, 10.0, 0.1, 100.0, 0.01)[: max(1, starts)]:
+        # a time-like parameter (an overhead or latency, seconds) scales up where a rate scales down
+        origin = np.clip([math.log(x0[p.name]) + (1 if p.is_time else -1) * math.log(scale) for p in specs],
+                         lo, hi)
+        res = least_squares(residuals, origin, bounds=(lo, hi), diff_step=0.02, x_scale=1.0, max_nfev=max_nfev,
+                            method="trf", loss=loss, f_scale=f_scale)
+        if best is None or res.cost < best.cost:
+            best = res
+    values = values_of(best.x)
     topo = with_parameters(base, values, meta={"calibrated": True, "calibration": values})
     return FitResult(topology=topo, values=values, start=x0, evaluations=evals, rows=len(rows),
                      metrics=metrics(predict(rows, topo), meas, [s.model for s in rows]))
@@ -368,6 +401,6 @@ def markdown_report(name: str, values: dict[str, float], fit_metrics: dict, held
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CSV_COLUMNS", "PARAMETERS", "DEFAULT_FIT", "CalibrationError", "FitResult", "Param", "Sample",
-           "error_table", "fit", "markdown_report", "metrics", "plot", "predict", "samples_from_csv",
+__all__ = ["ABSOLUTE_FIT", "CSV_COLUMNS", "PARAMETERS", "DEFAULT_FIT", "CalibrationError", "FitResult", "Param", "Sample",
+           "check_samples", "error_table", "fit", "markdown_report", "metrics", "plot", "predict", "samples_from_csv",
            "samples_from_runs", "split_by_model", "with_parameters"]

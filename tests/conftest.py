@@ -100,6 +100,7 @@ def simulation_cases():
         hosted = preset("pcie-4gpu")
         for i, d in enumerate(hosted.devices):
             d.host_overhead, d.comm_overhead, d.p2p_overhead, d.sm_count = 2e-5 * (1 + i % 2), 3e-5, 1e-4, 108
+            d.recompute_overhead = 5e-5 * (i % 2)
         from envs.topology import Topology
 
         _SIM_TOPOLOGIES["pcie-4gpu-hosted"] = Topology(hosted.devices, hosted.links, hosted.switches, name="hosted")

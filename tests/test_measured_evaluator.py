@@ -1,4 +1,4 @@
-"""Measured rewards (profilers.measured_evaluator) and the calibration fit (profilers.fidelity_fit)."""
+"""Measured rewards (profilers.measured_evaluator)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from envs.evaluator import PlanEvaluator
 from envs.plan import megatron_plan, single_device_plan
 from envs.presets import cpu_local
 from profilers.execution_layout import WorkerError
-from profilers.fidelity_fit import CalibParams, Sample, apply_params, fit, metrics, params_of, predict
 from profilers.measured_evaluator import MeasuredEvaluator
 from profilers.rank_program import FAIL_ENV
 from profilers.spec import graph_from_spec
@@ -81,33 +80,3 @@ def test_tiny_training_run_with_measured_rewards(graph, topo):
         model.learn(32)
         assert ev.misses >= 2 and ev.measurements + ev.refusals == ev.misses
     assert time.monotonic() - t0 < 60
-
-
-def _synthetic_samples(truth: CalibParams, base) -> list[Sample]:
-    out = []
-    for spec in ("mlp:layers=3,hidden=256,in_dim=64,out=16,batch=32", "gpt:layers=2,hidden=64,heads=4,seq=16,batch=8"):
-        g = graph_from_spec(spec, dtype="fp32")
-        plans = [single_device_plan(g, base, dtype="fp32"), megatron_plan(g, base, dp=2, dtype="fp32"),
-                 megatron_plan(g, base, pp=2, microbatch_size=2, dtype="fp32"),
-                 megatron_plan(g, base, pp=2, microbatch_size=1, schedule="gpipe", dtype="fp32"),
-                 megatron_plan(g, base, tp=2, dtype="fp32"),
-                 megatron_plan(g, base, dp=2, microbatch_size=1, dtype="fp32")]
-        out += [Sample(g, p, 0.0) for p in plans]
-    meas = predict(out, apply_params(base, truth))
-    for s, t in zip(out, meas):
-        s.measured = float(t)
-    return out
-
-
-def test_calibration_fit_recovers_known_parameters():
-    base = cpu_local(2)
-    truth = CalibParams(flops=2.0e10, mem_bw=3e9, launch_overhead=6e-5, link_latency=8e-4, link_bandwidth=6e8)
-    samples = _synthetic_samples(truth, base)
-    start = params_of(base)
-    before = metrics(predict(samples, base), np.array([s.measured for s in samples]))
-    res = fit(samples, base, start=start)
-    after = metrics(predict(samples, res.topology), np.array([s.measured for s in samples]))
-    assert before["mape"] > 0.5 and after["mape"] < 0.02
-    for k in ("flops", "launch_overhead", "link_latency", "link_bandwidth"):
-        assert getattr(res.params, k) == pytest.approx(getattr(truth, k), rel=0.1), k
-    assert res.topology.devices[0].flops("fp32") == pytest.approx(res.params.flops)

@@ -290,3 +290,17 @@ def test_recomputation_replays_the_forward_all_reduces(dgx):
         r = simulate(g, dgx, megatron_plan(g, dgx, tp=8, recompute=rc))
         replays = [lab for lab in r.task_label if lab.startswith("re-allreduce")]
         assert len(replays) == want
+
+
+def test_each_recomputed_region_pays_the_checkpoint_overhead_once_per_microbatch():
+    g = transformer_graph(layers=3, hidden=256, heads=4, seq=64, vocab=500, batch=4)
+    regions = int(g.checkpoint_ends().sum())
+    assert regions == 3 + 4  # the layers; embedding, final norm, head and loss (top-level modules)
+    base = gpu_only(preset("dgx-a100-80g"))
+    over = gpu_only(preset("dgx-a100-80g"))
+    for d in over.devices:
+        d.recompute_overhead = 1e-3
+    for rc, extra in (("none", 0.0), ("full", 1e-3 * regions * 2)):
+        plans = [megatron_plan(g, t, microbatch_size=2, recompute=rc) for t in (base, over)]
+        diff = simulate(g, over, plans[1]).value - simulate(g, base, plans[0]).value
+        assert diff == pytest.approx(extra, rel=1e-9, abs=1e-12)

@@ -48,6 +48,7 @@ def calibrate_cmd(
         samples = sc.samples_from_runs(measurements)
     else:
         samples = sc.samples_from_csv(measurements, base, vocab=vocab, recompute=recompute)
+    sc.check_samples(samples, base)
     holdout = holdout_models.split(",") if holdout_models else None
     if holdout is None and holdout_fraction == 0:
         fit_set, held = list(samples), []

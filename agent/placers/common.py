@@ -318,7 +318,7 @@ def op_time_matrix(graph: OpGraph, topology: Topology, dtype: str | None = None)
         key = (dev.kind, dev.flops(dtype), dev.bandwidth(), dev.launch_overhead)
         if key not in by_kind:
             plan = Plan(groups=[(d,)] * n, layouts=["single"] * n, dtype=dtype)
-            f, b, _, _ = node_times(graph, topology, plan, 1.0)
+            f, b = node_times(graph, topology, plan, 1.0)[:2]
             by_kind[key] = f + b
         out[:, d] = by_kind[key]
     return out

@@ -212,7 +212,7 @@ class CompiledSimulator:
         pa.state_bytes = float(plan.state_bytes_per_param)
         pa.plan = plan
         pa.like = plan
-        pa.fwd, pa.bwd, pa.host_f, pa.host_b = self.node_times(pa)
+        pa.fwd, pa.bwd, pa.host_f, pa.host_b, _ = self.node_times(pa)
         return pa
 
     def node_times(self, pa: PlanArrays, nodes: np.ndarray | None = None) -> OpTimes:
@@ -335,7 +335,7 @@ class CompiledSimulator:
         if recompute is not None and bool(recompute) != bool(pa.rc[node]):
             pa.rc[node] = bool(recompute)
         t = self.node_times(pa, np.array([node]))
-        pa.fwd[node], pa.bwd[node], pa.host_f[node], pa.host_b[node] = (float(x[0]) for x in t)
+        pa.fwd[node], pa.bwd[node], pa.host_f[node], pa.host_b[node] = (float(x[0]) for x in t[:4])
         self._last = pa
         return self._run(pa, timeline)
 

@@ -131,20 +131,23 @@ class DeviceSpec(NamedTuple):
     sm_count: int  # 0: no wave quantisation
     tile: int  # GEMM output tile edge
     host: float  # host time to issue one kernel (s)
+    checkpoint: float  # time a recomputed checkpoint region adds (s)
 
     @classmethod
     def of(cls, device, dtype: str) -> DeviceSpec:
         return cls(device.kind, device.flops(dtype), device.bandwidth(), device.launch_overhead, int(device.sm_count),
-                   int(device.gemm_tile), device.host_overhead)
+                   int(device.gemm_tile), device.host_overhead, device.recompute_overhead)
 
 
 class OpTimes(NamedTuple):
-    """Per node: forward and backward time on the device, and the host time to issue each."""
+    """Per node: forward and backward time on the device, the host time to issue each, and what its
+    recomputation adds besides the forward (the checkpoint machinery, on a region's last node)."""
 
     fwd: np.ndarray
     bwd: np.ndarray
     host_fwd: np.ndarray
     host_bwd: np.ndarray
+    checkpoint: np.ndarray
 
 
 @njit(cache=True)
@@ -239,14 +242,15 @@ def op_times(graph: OpGraph, spec: DeviceSpec, nodes: np.ndarray, samples: np.nd
     samples = np.ascontiguousarray(samples, dtype=np.float64)
     split = np.ascontiguousarray(split, dtype=np.float64)
     meas = graph.measured.get(spec.kind)
+    checkpoint = graph.checkpoint_ends()[nodes] * spec.checkpoint
     if meas is not None:
         kernels = graph.n_ops[nodes].astype(np.float64)
         return OpTimes(meas["fwd"][nodes] * samples / split, meas["bwd"][nodes] * samples / split,
-                       kernels * spec.host, kernels * spec.host)
+                       kernels * spec.host, kernels * spec.host, checkpoint)
     return OpTimes(*_op_times(graph.fwd_flops, graph.bwd_flops, graph.mem_bytes, graph.param_bytes, graph.n_ops,
                               graph.gemm_ptr(), graph.gemm_shape, graph.gemm_kind, nodes, samples, split,
                               np.ascontiguousarray(layout, dtype=np.int64), spec.rate, spec.bandwidth, spec.launch,
-                              spec.sm_count, spec.tile, spec.host, float(elem_bytes)))
+                              spec.sm_count, spec.tile, spec.host, float(elem_bytes)), checkpoint)
 
 
 def device_specs(topology: Topology, dtype: str) -> tuple[list[DeviceSpec], np.ndarray]:
@@ -274,14 +278,16 @@ def group_op_times(graph: OpGraph, specs: list[DeviceSpec], present: np.ndarray 
 
 def finish_op_times(t: OpTimes, recompute: np.ndarray, dp: np.ndarray, latency: bool) -> OpTimes:
     """Full recomputation re-runs the forward (device and host work) right before the backward (Chen
-    et al., 2016); the latency objective times one sample, which data parallelism does not split."""
-    fwd, bwd, hf, hb = t
+    et al., 2016), plus the checkpoint machinery's fixed cost once per recomputed region (``recompute_overhead``;
+    fitted on measured CPU runs: torch.utils.checkpoint costs ~0.6 ms per call on one core); the latency
+    objective times one sample, which data parallelism does not split."""
+    fwd, bwd, hf, hb, ck = t
     if recompute.any():
-        bwd = bwd + np.where(recompute, fwd, 0.0)
+        bwd = bwd + np.where(recompute, fwd + ck, 0.0)
         hb = hb + np.where(recompute, hf, 0.0)
     if latency:
         fwd = fwd * dp.astype(np.float64)
-    return OpTimes(fwd, bwd, hf, hb)
+    return OpTimes(fwd, bwd, hf, hb, ck)
 
 
 def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, latency: bool = False) -> OpTimes:

@@ -82,7 +82,7 @@ class _Step:
         self.stage, self.p = plan.stages(graph)
         self.topo_pos = np.empty(n, dtype=np.int64)
         self.topo_pos[graph.topological_order()] = np.arange(n)
-        self.fwd, self.bwd, self.host_fwd, self.host_bwd = node_times(graph, topology, plan, self.scale, latency)
+        self.fwd, self.bwd, self.host_fwd, self.host_bwd, _ = node_times(graph, topology, plan, self.scale, latency)
         self.comm = CommTimes(topology)
         self.gpipe = plan.schedule == "gpipe"
         self._N = float(n + 1)

@@ -27,7 +27,7 @@ def simulate_throughput(graph: OpGraph, topology: Topology, plan: Plan) -> StepR
     m = plan.microbatches
     scale = plan.microbatch_size(graph) / graph.batch_size
     stage, p = plan.stages(graph)
-    fwd_t, bwd_t, _, _ = node_times(graph, topology, plan, scale)
+    fwd_t, bwd_t = node_times(graph, topology, plan, scale)[:2]
     comm = CommTimes(topology)
     load_c = np.zeros(nd)
     for v in range(graph.num_nodes):
