@@ -17,8 +17,8 @@ not hardware: spawned workers on CUDA use ``cuda:(plan device % visible GPUs)``,
 (default fp32, where the reference check is tightest).
 
 The report holds the median step time after warm-up (the slowest rank's wall time per step), the
-peak memory per rank (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the worker process's peak
-resident set size, which includes the Python/torch baseline) and the loss of every step next to a
+peak memory per rank (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the peak bytes of live tensors
+over one extra, untimed step, ``profilers.tensor_memory``: what the simulator's memory model predicts) and the loss of every step next to a
 single-process reference (same seed, same data, same microbatch/replica chunks, same SGD updates),
 so a wrong split shows as a loss mismatch (default tolerance: rtol 1e-4 in fp32, 2e-2 in bf16, over
 the first two steps: the forward, backward, gradient reduction and one update).
@@ -84,7 +84,7 @@ class ExecReport:
     microbatches: int = 1
     schedule: str = "1f1b"
     backend: str = "gloo"
-    memory_kind: str = "cpu_max_rss"
+    memory_kind: str = "cpu_tensor_peak"
     warmup: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,4 +303,4 @@ def execute_plan(plan: Plan | str | os.PathLike, model_spec: str, steps: int = 5
                       reference_loss=None if ref is None else ref[-1], loss_matches=matches,
                       losses=result["losses"], reference_losses=ref, world_size=lay.world_size, pp=lay.pp,
                       dp=lay.dp, tp=lay.tp, microbatches=lay.microbatches, schedule=lay.schedule, backend=backend,
-                      memory_kind="cuda_max_allocated" if backend == "nccl" else "cpu_max_rss", warmup=warmup)
+                      memory_kind="cuda_max_allocated" if backend == "nccl" else "cpu_tensor_peak", warmup=warmup)

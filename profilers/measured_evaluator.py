@@ -362,7 +362,8 @@ class MeasuredEvaluator:
         self.start()
         job = Job(spec=self.model_spec, layout=lay, steps=self.steps, warmup=self.warmup, backend="gloo",
                    seed=self.seed, lr=self.lr, dtype=self.dtype, out_shape=tuple(out_shape),
-                   collective_timeout_s=self.collective_timeout, threads=self.threads, zoo=self._zoo)
+                   collective_timeout_s=self.collective_timeout, threads=self.threads, zoo=self._zoo,
+                  tensor_memory=False)
         self.measurements += 1
         try:
             assert self._pool is not None

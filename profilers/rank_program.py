@@ -54,6 +54,7 @@ class Job:
     zoo: tuple[str, dict[str, Any]] | None = None  # the parsed zoo spec (workers skip profilers.spec)
     fail: str = ""  # the RLPLACE_EXEC_FAIL_RANK hook, read by the launcher
     result_path: str | None = None
+    tensor_memory: bool = True  # CPU: peak live tensor bytes of one extra step (else the process's peak RSS)
 
 
 # ---------------------------------------------------------------------------- model and data
@@ -116,7 +117,8 @@ def sync(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> float:
-    """This process's peak memory in bytes: CUDA's max allocated, or on CPU the peak resident set."""
+    """This process's peak memory in bytes: CUDA's max allocated, or on CPU the peak resident set (what
+    the measured evaluator reports; ``rlplace run`` counts live tensors, profilers.tensor_memory)."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
     import resource
@@ -167,19 +169,19 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         stage_mod = DDP(stage_mod, process_group=dp_group,
-                        device_ids=[device.index] if device.type == "cuda" else None)
+                        device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(stage_mod.parameters(), lr=job.lr, foreach=False)
     schedule = _pipeline_schedule(stage_mod, s, lay, device, mesh) if lay.pp > 1 else None
     rows = slice(r * (lay.batch // lay.dp), (r + 1) * (lay.batch // lay.dp))
     reporter = last and tp_rank == 0  # one loss per data-parallel replica
     times: list[float] = []
     losses: list[float] = []
-    for step in range(job.warmup + job.steps):
+
+    def batch(step: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         xs, y = make_batch(example, highs, lay.batch, job.out_shape, job.seed, step, job.dtype)
-        xs = [x[rows].to(device) for x in xs] if first else []
-        y = y[rows].to(device)
-        sync(device)
-        t0 = time.perf_counter()
+        return ([x[rows].to(device) for x in xs] if first else []), y[rows].to(device)
+
+    def train_step(xs: list[torch.Tensor], y: torch.Tensor) -> Any:
         opt.zero_grad(set_to_none=True)
         if schedule is not None:
             loss = _pipeline_step(schedule, xs, y, last, record_loss)
@@ -188,6 +190,13 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
         if lay.pp > 1 and dp_group is not None:
             allreduce_grads(stage_mod, dp_group, lay.dp)
         opt.step()
+        return loss
+
+    for step in range(job.warmup + job.steps):
+        xs, y = batch(step)
+        sync(device)
+        t0 = time.perf_counter()
+        loss = train_step(xs, y)
         sync(device)
         tt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=group)  # the step takes as long as its slowest rank
@@ -197,7 +206,17 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
             dist.all_reduce(lv, group=group)
             losses.append(float(lv.item()))
     mem = torch.zeros(lay.world_size, dtype=torch.float64, device=device)
-    mem[rank] = peak_memory(device)
+    if device.type == "cpu" and job.tensor_memory:
+        from profilers.tensor_memory import LiveTensorBytes, state_tensors
+
+        opt.zero_grad(set_to_none=True)  # a step starts without gradients
+        xs, y = batch(job.warmup + job.steps)
+        tracker = LiveTensorBytes().track([*state_tensors(stage_mod, opt), *xs, y])
+        with tracker:  # one more step, untimed: tracking slows every op
+            train_step(xs, y)
+        mem[rank] = float(tracker.peak)
+    else:
+        mem[rank] = peak_memory(device)
     dist.all_reduce(mem, group=group)
     out: dict[str, Any] = {"times": times, "memory": mem.cpu().tolist()}
     if record_loss:

@@ -659,9 +659,12 @@ class CompiledSimulator:
         states = np.bincount(devs, weights=st[owner], minlength=nd)
         acts = np.bincount(devs, weights=(out * inflight)[owner], minlength=nd)
         transient = np.zeros(nd)
+        accumulate = np.zeros(nd)
+        if pa.m > 1 and not latency:
+            np.maximum.at(accumulate, devs, (graph.param_bytes / split)[owner])
         caps = self.caps
         return {"model_states": states, "activations": acts, "recompute_transient": transient,
-                "total": states + acts + transient, "capacity": caps}
+                "accumulation_transient": accumulate, "total": states + acts + transient + accumulate, "capacity": caps}
 
 
 # ---------------------------------------------------------------------- one per (graph, topology)

@@ -312,7 +312,9 @@ def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, lat
 def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, num_stages: int,
            objective: str = "step_time") -> dict[str, np.ndarray]:
     """Peak bytes per device: model states + stashed activations of in-flight microbatches + the
-    transient activations of one recomputed microbatch.
+    transient activations of one recomputed microbatch + with several microbatches the largest weight
+    gradient of one node (autograd's AccumulateGrad allocates a microbatch's gradient before adding
+    it to the accumulated one; measured on CPU runs, experiments/memory_fidelity.py).
 
     Model states: params x ``state_bytes_per_param`` (ZeRO, Rajbhandari et al. SC'20). In flight:
     GPipe all m microbatches, 1F1B at most p - s on stage s (Narayanan et al., SC'21, Sec. 2.2)."""
@@ -320,6 +322,7 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     states = np.zeros(nd)
     acts = np.zeros(nd)
     transient = np.zeros(nd)
+    accumulate = np.zeros(nd)
     pbytes = DTYPE_BYTES.get(graph.dtype, 2)
     m = plan.microbatches
     scale = 1.0 / graph.batch_size if objective == "latency" else plan.microbatch_size(graph) / graph.batch_size
@@ -359,16 +362,18 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
                 region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + out
             else:
                 stash = out
+        grad = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
         for d in g:
             states[d] += st
             acts[d] += stash * inflight
+            accumulate[d] = max(accumulate[d], grad)
     # during the backward of a recomputed region, its activations for one microbatch are live again
     for key, b in region_bytes.items():
         for d in key[0]:
             transient[d] = max(transient[d], b)
     caps = np.array([d.memory_bytes for d in topology.devices])
     return {"model_states": states, "activations": acts, "recompute_transient": transient,
-            "total": states + acts + transient, "capacity": caps}
+            "accumulation_transient": accumulate, "total": states + acts + transient + accumulate, "capacity": caps}
 
 
 def optimizer_time(params: float, state_bytes_per_param: float, bandwidth: float, launch_overhead: float) -> float:
