@@ -99,7 +99,11 @@ def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pr
                 ready_at[u] = f
             remaining[u] -= 1
             if remaining[u] == 0:
-                size = _push(he, hp, ht, size, ready_at[u], priority[u], u)
+                e = ready_at[u]  # the start as of now: a lower bound (see list_schedule_hosted)
+                for k2 in range(res_ptr[u], res_ptr[u + 1]):
+                    if free[res_idx[k2]] > e:
+                        e = free[res_idx[k2]]
+                size = _push(he, hp, ht, size, e, priority[u], u)
     return start, finish, done
 
 
@@ -156,7 +160,17 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
                 ready_at[u] = f
             remaining[u] -= 1
             if remaining[u] == 0:
-                size = _push(he, hp, ht, size, ready_at[u], priority[u], u)
+                # key: the start as of now, a lower bound (resources and hosts only get busier), so
+                # the order of starts is the same as with the ready time, with fewer re-pushes
+                e = ready_at[u]
+                for k2 in range(res_ptr[u], res_ptr[u + 1]):
+                    if free[res_idx[k2]] > e:
+                        e = free[res_idx[k2]]
+                hu = host_cost[u]
+                for k2 in range(dev_ptr[u], dev_ptr[u + 1]):
+                    if host_free[dev_idx[k2]] + hu > e:
+                        e = host_free[dev_idx[k2]] + hu
+                size = _push(he, hp, ht, size, e, priority[u], u)
     return start, finish, done
 
 
