@@ -24,6 +24,9 @@ bandwidth)`` (the simulator's roofline without the parameter-bytes term and laun
   states (tensor splits divide both; data-parallel replicas hold full copies). It is the bound the
   report uses when some plan can fit, and it says how many devices the model states need at least.
 - **largest unsplittable op**: a unit that allows no batch or tensor split runs whole on one device.
+- **host work** (``step_time``, ``latency``): every kernel of every node is issued by some device's
+  host at least once (``n_ops`` forward, as many backward), one kernel after another per host
+  (``host_overhead`` each), so the busiest host works at least the total over the devices.
 
 ``lower_bound_any`` (no memory constraint) holds for every plan, including those that run out of memory;
 ``lower_bound`` holds for every plan that fits (and equals ``lower_bound_any`` if none can fit). For
@@ -162,9 +165,16 @@ def lower_bound(graph: OpGraph, topology: Topology, objective: str = "step_time"
     total_states = float(us.sum())
     mem_sorted = np.sort(caps)[::-1]
     need = int(np.searchsorted(np.cumsum(mem_sorted), total_states) + 1) if total_states > 0 else 1
-    any_bound = max(cp, agg, op)
-    fit_bound = max(cp, agg_mem, op) if feasible else any_bound
+    host_b = 0.0
+    host = np.array([d.host_overhead for d in topology.devices])
+    if objective != "throughput" and host.any():
+        kernels = graph.n_ops.astype(np.float64)
+        if not latency:
+            kernels = 2 * kernels
+        host_b = float((kernels[:, None] * host[None, :]).min(axis=1).sum() / nd) * SAFETY
+    any_bound = max(cp, agg, op, host_b)
+    fit_bound = max(cp, agg_mem, op, host_b) if feasible else any_bound
     return {"objective": objective, "lower_bound": fit_bound, "lower_bound_any": any_bound,
-            "critical_path": cp, "aggregate": agg, "aggregate_memory": agg_mem, "largest_op": op,
+            "critical_path": cp, "aggregate": agg, "aggregate_memory": agg_mem, "largest_op": op, "host_work": host_b,
             "work_over_throughput": simple, "min_devices_for_states": min(need, nd + 1) if need <= nd else None,
             "memory_feasible": feasible}
