@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "agent.commands.train",
     "agent.commands.place",
     "agent.commands.demo",
+    "agent.commands.export",
 ]
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

@@ -646,7 +646,7 @@ def coarse_graph(graph: OpGraph, group_of: np.ndarray, num_groups: int | None = 
     return OpGraph(
         names=names, kinds=kinds, module_paths=mods, fwd_flops=gsum(graph.fwd_flops),
         bwd_flops=gsum(graph.bwd_flops), param_bytes=gsum(graph.param_bytes), out_bytes=gsum(graph.out_bytes),
-        mem_bytes=gsum(graph.mem_bytes), n_ops=np.bincount(group_of, weights=graph.n_ops, minlength=k)
+        mem_bytes=gsum(graph.mem_bytes), saved_bytes=gsum(graph.saved_bytes), n_ops=np.bincount(group_of, weights=graph.n_ops, minlength=k)
         .round().astype(np.int64), colocation=coloc, layout_caps=caps,
         measured={kd: {ph: gsum(arr) for ph, arr in v.items()} for kd, v in graph.measured.items()},
         edge_src=uniq // k if k else uniq, edge_dst=uniq % k if k else uniq, edge_bytes=edge_bytes,

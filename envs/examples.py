@@ -36,7 +36,7 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
     simulator times them by shape. The attention core is Megatron's unfused one unless
     ``fused_attention`` (flash attention): it also moves the score tensor Z = b a s^2 x 2 bytes through
     the softmax (read + write) and the dropout (read + write + a one-byte mask), 4.5 Z beyond its GEMMs'
-    operands (Korthikanti et al. 2022, Sec. 4.1: the 5as^2b bytes of attention activations per layer).
+    operands, and saves 5as^2b bytes of them for its backward (Korthikanti et al. 2022, Sec. 4.1).
     ``n_ops`` counts the kernels each node launches in Megatron's eager forward (fused LayerNorm, fused
     bias-GeLU and bias-dropout-add, the fused scale-mask-softmax). ``tie_embeddings``: the output layer
     shares the word embedding's weights (GPT-2, Megatron's default), counted once, at the output layer.
@@ -56,6 +56,10 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
     z = b * a * s * s * e  # the attention scores of the batch
     attn_gemms = [(s, s, d, b * a, GEMM_PER_HEAD), (s, d, s, b * a, GEMM_PER_HEAD)]
     attn_gemm_bytes = sum((m * k + k * n + m * n) * bb * e for m, n, k, bb, _ in attn_gemms)
+    # saved for the backward: the softmax output and the dropout output (2 bytes each) and the dropout
+    # mask (1 byte) per score: 5as^2b bytes per layer (Korthikanti et al. 2022, Sec. 4.1); flash
+    # attention saves none of them
+    saved_scores = 2.5 * z
     attn_bytes = attn_gemm_bytes + (0.0 if fused_attention else 4.5 * z) + 2 * act  # + the context's permute
     all_caps = CAN_BATCH | CAN_COL | CAN_ROW | CAN_REPLICATE
     if embeddings:
@@ -68,7 +72,8 @@ def transformer_graph(layers: int = 4, hidden: int = 1024, heads: int = 16, seq:
         ln1 = node(f"{p}.ln1", "layernorm", f"{p}.ln1", 5 * tok * h, 2 * h * e, act, [x])
         qkv = linear(f"{p}.attn.qkv", f"{p}.attn.qkv", h, 3 * h, [ln1], kernels=2)
         att = node(f"{p}.attn.sdpa", "attention", f"{p}.attn.sdpa", 4 * b * s * s * h + 5 * b * a * s * s, 0, act,
-                   [qkv], n_ops=2 if fused_attention else 5, gemms=attn_gemms, mem_bytes=attn_bytes)
+                   [qkv], n_ops=2 if fused_attention else 5, gemms=attn_gemms, mem_bytes=attn_bytes,
+                   saved_bytes=0.0 if fused_attention else saved_scores)
         proj = linear(f"{p}.attn.proj", f"{p}.attn.proj", h, h, [att])
         add1 = node(f"{p}.add1", "add", f"{p}", tok * h, 0, act, [x, proj])
         ln2 = node(f"{p}.ln2", "layernorm", f"{p}.ln2", 5 * tok * h, 2 * h * e, act, [add1])

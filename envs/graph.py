@@ -129,6 +129,10 @@ class OpGraph:
     gemm_node: np.ndarray | None = None
     gemm_shape: np.ndarray | None = None
     gemm_kind: np.ndarray | None = None
+    # activation bytes a node saves for its backward beyond its output (at the traced batch): e.g. the
+    # attention scores, softmax and dropout mask of an unfused attention core (Korthikanti et al. 2022,
+    # Sec. 4.1: 5as^2b bytes per layer); freed when the node is recomputed. Default: none.
+    saved_bytes: np.ndarray | None = None
     batch_size: int = 1
     dtype: str = "bf16"
     name: str = "graph"
@@ -183,6 +187,8 @@ class OpGraph:
             self.mem_bytes = in_bytes + self.out_bytes + self.param_bytes
         self.mem_bytes = _as_f64(self.mem_bytes, n, "mem_bytes")
         _check_range(self.mem_bytes, self.names, "mem_bytes", 0.0, MAX_BYTES * 4)
+        self.saved_bytes = _as_f64(np.zeros(n) if self.saved_bytes is None else self.saved_bytes, n, "saved_bytes")
+        _check_range(self.saved_bytes, self.names, "saved_bytes", 0.0, MAX_BYTES)
 
     def _init_gemms(self) -> None:
         node = _as_i64(np.zeros(0) if self.gemm_node is None else self.gemm_node, None, "gemm_node")
@@ -472,6 +478,8 @@ class OpGraph:
                 d["colocation"] = int(self.colocation[i])
             if self.n_ops[i] != 1:
                 d["n_ops"] = int(self.n_ops[i])
+            if self.saved_bytes[i] > 0:
+                d["saved_bytes"] = float(self.saved_bytes[i])
             if self.measured:
                 d["measured"] = {k: [float(v["fwd"][i]), float(v["bwd"][i])] for k, v in self.measured.items()}
             nodes.append(d)
@@ -531,7 +539,7 @@ class OpGraph:
                 param_bytes=[nd.param_bytes for nd in nodes], out_bytes=[nd.out_bytes for nd in nodes],
                 mem_bytes=[nd.mem_bytes for nd in nodes] if all(nd.mem_bytes is not None for nd in nodes) else None,
                 layout_caps=caps, colocation=[nd.colocation for nd in nodes], n_ops=[nd.n_ops for nd in nodes],
-                measured=measured, edge_src=np.array([e[0] for e in edges], dtype=np.int64),
+                saved_bytes=[nd.saved_bytes for nd in nodes], measured=measured, edge_src=np.array([e[0] for e in edges], dtype=np.int64),
                 edge_dst=np.array([e[1] for e in edges], dtype=np.int64),
                 edge_bytes=[e[2] for e in edges], edge_time=[e[3] for e in edges] if lens == {4} else None,
                 batch_size=doc.batch_size, dtype=doc.dtype, name=doc.name, meta=dict(doc.meta),
@@ -601,14 +609,18 @@ class GraphBuilder:
         self.mem: dict[int, float] = {}
         self.caps: dict[int, int] = {}
         self.gemms: list[tuple[int, tuple[float, float, float, float], int]] = []
+        self.saved: list[float] = []
 
     def node(self, name: str, kind: str, module: str, flops: float, param_bytes: float, out_bytes: float,
              inputs: Sequence[int] = (), in_bytes: float | None = None, *, n_ops: int = 1,
-             gemms: Sequence[tuple] = (), mem_bytes: float | None = None, caps: int | None = None) -> int:
+             gemms: Sequence[tuple] = (), mem_bytes: float | None = None, caps: int | None = None,
+             saved_bytes: float = 0.0) -> int:
         """Add a node; ``gemms``: its matrix multiplies as (m, n, k, batch, kind) (see OpGraph.gemm_node),
         ``n_ops`` its kernels, ``mem_bytes`` the bytes it moves (default: inputs + output + weights),
-        ``caps`` its layout capabilities (default: by kind)."""
+        ``caps`` its layout capabilities (default: by kind), ``saved_bytes`` the activations it saves for
+        its backward beyond its output."""
         idx = len(self.names)
+        self.saved.append(float(saved_bytes))
         self.n_ops.append(int(n_ops))
         for gm in gemms:
             self.gemms.append((idx, tuple(float(x) for x in gm[:4]), int(gm[4]) if len(gm) > 4 else GEMM_DENSE))
@@ -648,6 +660,7 @@ class GraphBuilder:
                        out_bytes=np.array(self.outs), edge_src=np.array(self.src, dtype=np.int64),
                        edge_dst=np.array(self.dst, dtype=np.int64), edge_bytes=np.array(self.edge_bytes),
                        n_ops=np.array(self.n_ops, dtype=np.int64), mem_bytes=mem, layout_caps=caps,
+                       saved_bytes=np.array(self.saved),
                        gemm_node=np.array([g[0] for g in self.gemms], dtype=np.int64),
                        gemm_shape=np.array([g[1] for g in self.gemms]).reshape(-1, 4),
                        gemm_kind=np.array([g[2] for g in self.gemms], dtype=np.int64), **kwargs)

@@ -12,6 +12,18 @@ Per node: a device group and a layout.
   sharded, output a partial sum that the consumer reduces (all-reduce). Embeddings split by vocab.
 - ``replicate``: the same op computed redundantly on every tensor-parallel rank (Megatron's
   LayerNorm, residual adds): input and output replicated.
+- ``seq_split``: sequence parallelism beside tensor parallelism (Korthikanti et al. 2022, Sec. 4.2.2):
+  a token-wise op (LayerNorm, dropout, residual add) of a tensor-parallel group runs on 1/tp of the
+  sequence; its input comes from a row split by reduce-scatter and goes to a column split by
+  all-gather (in place of the all-reduce), its activations are 1/tp, its weights' gradients are
+  all-reduced over the whole group.
+
+Per node also a ZeRO stage over its data-parallel replicas (Rajbhandari et al., SC'20): 1 shards the
+optimizer states, 2 also the gradients (reduce-scattered), 3 also the parameters (all-gathered before
+each forward and backward); and whether its forward is recomputed in the backward (activation
+checkpointing: full recomputation flags every node, selective recomputation only the attention core,
+:func:`attention_core`). Globally: the microbatches, the pipeline schedule and the number of virtual
+pipeline stages per device (interleaved 1F1B, Narayanan et al. SC'21, Sec. 2.2).
 
 A group of size n may combine data and tensor parallelism: ``dp`` is the data-parallel degree and
 tp = n / dp the tensor-parallel degree; devices are ordered dp-major (``group[r * tp + t]``).
@@ -33,9 +45,15 @@ from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, DTYPE_BYTES, 
 from envs.topology import Topology
 
 FORMAT = "rlplace.plan"
-VERSION = 1
-LAYOUTS = ("single", "batch_split", "col_split", "row_split", "replicate")
+VERSION = 2  # 2: per-node ZeRO stage, the seq_split layout, virtual stages (version-1 files load)
+LAYOUTS = ("single", "batch_split", "col_split", "row_split", "replicate", "seq_split")
 SCHEDULES = ("gpipe", "1f1b")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+# attention-core ops: what selective recomputation recomputes (Korthikanti et al. 2022, Sec. 5: the
+# QK^T, softmax, dropout and attention-over-values part of a layer)
+ATTENTION_CORE_KINDS = ("attention", "sdpa")
+_ATTENTION_INNER_KINDS = ("softmax", "dropout", "matmul", "bmm", "baddbmm", "softmax_heads")
 # Mixed-precision Adam: fp16/bf16 weights (2) + grads (2) + fp32 master, momentum, variance (12)
 # = 16 bytes per parameter (Rajbhandari et al., ZeRO, SC'20, Sec. 3.1).
 ADAM_MIXED_BYTES_PER_PARAM = 16.0
@@ -81,6 +99,8 @@ class Plan:
     state_bytes_per_param: float = ADAM_MIXED_BYTES_PER_PARAM
     provenance: dict = field(default_factory=dict)
     graph_id: dict | None = None  # {"name", "num_nodes", "fingerprint"} of the graph the plan was made for
+    zero: np.ndarray | None = None  # ZeRO stage (0-3) per node over its data-parallel replicas
+    virtual_stages: int = 1  # model chunks per pipeline device (interleaved 1F1B when > 1)
 
     def __post_init__(self) -> None:
         n = len(self.groups)
@@ -103,9 +123,10 @@ class Plan:
                                dtype=np.int64)
         self.dp = int_array(self.dp, "dp", PlanError)
         self.recompute = np.zeros(n, dtype=bool) if self.recompute is None else _flags(self.recompute, n)
-        if self.dp.shape[0] != n or self.recompute.shape[0] != n:
-            raise PlanError("plan arrays (dp, recompute) do not match the number of nodes")
-        for what in ("microbatches", "global_batch"):
+        self.zero = np.zeros(n, dtype=np.int64) if self.zero is None else int_array(self.zero, "zero", PlanError)
+        if self.dp.shape[0] != n or self.recompute.shape[0] != n or self.zero.shape[0] != n:
+            raise PlanError("plan arrays (dp, recompute, zero) do not match the number of nodes")
+        for what in ("microbatches", "global_batch", "virtual_stages"):
             v = getattr(self, what)
             if v is None and what == "global_batch":
                 continue
@@ -166,14 +187,17 @@ class Plan:
             raise PlanError(f"global batch must be >= 1, got {batch}")
         if batch % self.microbatches:
             raise PlanError(f"global batch {batch} is not divisible by {self.microbatches} microbatches")
+        if self.zero.size and (self.zero.min() < 0 or self.zero.max() > 3):
+            raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, got {int(self.zero[(self.zero < 0) | (self.zero > 3)][0])}")
+        self._validate_virtual_stages(graph)
         mb = batch // self.microbatches
         nd = topology.num_devices
-        seen: set[tuple] = set()  # a (group, layout, dp, caps) passes or fails wherever it appears
-        for i, (g, lay, dp, caps) in enumerate(zip(self.groups, self.layouts, self.dp.tolist(),
-                                                  graph.layout_caps.tolist())):
-            if (g, lay, dp, caps) in seen:
+        seen: set[tuple] = set()  # a (group, layout, dp, caps, zero) passes or fails wherever it appears
+        for i, (g, lay, dp, caps, z) in enumerate(zip(self.groups, self.layouts, self.dp.tolist(),
+                                                     graph.layout_caps.tolist(), self.zero.tolist())):
+            if (g, lay, dp, caps, z) in seen:
                 continue
-            seen.add((g, lay, dp, caps))
+            seen.add((g, lay, dp, caps, z))
             who = f"node {graph.names[i]!r}"
             if not g:
                 raise PlanError(f"{who}: empty device group")
@@ -200,6 +224,16 @@ class Plan:
                                 if not caps else f"{who} ({graph.kinds[i]}) does not allow replicate")
             if mb % dp:
                 raise PlanError(f"{who}: microbatch of {mb} samples does not split over dp={dp}")
+            if z > 0 and dp < 2:
+                raise PlanError(f"{who}: ZeRO stage {z} needs data parallelism (dp >= 2), but dp={dp}: "
+                                "ZeRO shards model states over the data-parallel replicas")
+            if lay == "seq_split":
+                if len(g) // dp < 2:
+                    raise PlanError(f"{who}: sequence parallelism (seq_split) needs tensor parallelism "
+                                    f"(tp >= 2), but its group of {len(g)} devices with dp={dp} has tp=1")
+                if not (caps & CAN_REPLICATE and caps & CAN_BATCH) or is_attention_core(graph, i):
+                    raise PlanError(f"{who} ({graph.kinds[i]}) cannot be split along the sequence "
+                                    "(seq_split is for token-wise ops: norms, dropout, residual adds)")
         for i in graph.meta.get("cpu_only") or []:  # ops the accelerators cannot run (imported workloads)
             bad = [d for d in self.groups[int(i)] if topology.devices[d].kind != "cpu"]
             if bad:
@@ -214,13 +248,54 @@ class Plan:
                 raise PlanError(f"co-location class {c} is split: {graph.names[j]!r} on {self.groups[j]} "
                                 f"but {graph.names[i]!r} on {self.groups[i]}")
 
+    def _validate_virtual_stages(self, graph: OpGraph) -> None:
+        """Interleaving: v model chunks per device, the chunks visiting the pipeline's devices in turn
+        (chunk c on device c mod p, Narayanan et al. SC'21, Sec. 2.2); Megatron-LM needs the microbatches
+        to be a multiple of the pipeline depth."""
+        v = self.virtual_stages
+        if v < 1:
+            raise PlanError(f"virtual_stages must be >= 1, got {v}")
+        if v == 1:
+            return
+        if self.schedule != "1f1b":
+            raise PlanError(f"virtual stages (interleaving) need the 1f1b schedule, got {self.schedule!r}")
+        chunks, p = self.chunks(graph)
+        if p < 2:
+            raise PlanError(f"virtual_stages={v} needs pipeline parallelism (at least 2 pipeline devices)")
+        if chunks.max() + 1 != p * v:
+            raise PlanError(f"virtual_stages={v}: the plan's {int(chunks.max()) + 1} model chunks are not "
+                            f"{v} chunks on each of its {p} pipeline device groups")
+        stage, _ = self.stages(graph)
+        bad = np.flatnonzero(stage != chunks % p)
+        if bad.size:
+            raise PlanError(f"virtual_stages={v}: model chunk {int(chunks[bad[0]])} (node {graph.names[bad[0]]!r}) is "
+                            f"not on pipeline rank {int(chunks[bad[0]]) % p}: interleaving visits the ranks in turn")
+        if self.microbatches % p:
+            raise PlanError(f"interleaving needs the microbatches ({self.microbatches}) to be a multiple of "
+                            f"the pipeline depth ({p})")
+
+    def chunks(self, graph: OpGraph) -> tuple[np.ndarray, int]:
+        """(model chunk of each node, number of distinct device groups): a new chunk starts wherever the
+        device group changes along the topological order (contiguous runs of one group)."""
+        chunk = np.zeros(self.num_nodes, dtype=np.int64)
+        groups: dict[tuple[int, ...], int] = {}
+        prev, c = None, -1
+        for v in graph.topological_order():
+            g = self.groups[v]
+            if g != prev:
+                c += 1
+                prev = g
+                groups.setdefault(g, len(groups))
+            chunk[v] = c
+        return chunk, max(1, len(groups))
+
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "version": VERSION, "microbatches": self.microbatches,
-             "schedule": self.schedule, "global_batch": self.global_batch, "dtype": self.dtype,
-             "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
-             "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc)}
-                       for g, lay, dp, rc in zip(self.groups, self.layouts, self.dp, self.recompute)]}
+             "schedule": self.schedule, "virtual_stages": self.virtual_stages, "global_batch": self.global_batch,
+             "dtype": self.dtype, "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
+             "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc), "zero": int(z)}
+                       for g, lay, dp, rc, z in zip(self.groups, self.layouts, self.dp, self.recompute, self.zero)]}
         if self.graph_id:
             d["graph"] = dict(self.graph_id)
         return d
@@ -242,6 +317,7 @@ class Plan:
         try:
             return cls(groups=[tuple(nd.devices) for nd in nodes], layouts=[nd.layout for nd in nodes],
                        dp=[nd.dp for nd in nodes], recompute=[nd.recompute for nd in nodes],
+                       zero=[nd.zero for nd in nodes], virtual_stages=doc.virtual_stages,
                        microbatches=doc.microbatches, schedule=doc.schedule, global_batch=doc.global_batch,
                        dtype=doc.dtype, state_bytes_per_param=doc.state_bytes_per_param,
                        provenance=dict(doc.provenance),
@@ -262,17 +338,47 @@ class Plan:
     def key(self) -> bytes:
         """A hashable identity of the plan's decisions (for evaluation caches)."""
         return json.dumps([self.groups, self.layouts, self.dp.tolist(), self.recompute.tolist(), self.microbatches,
-                           self.schedule, self.global_batch, self.dtype, self.state_bytes_per_param]).encode()
+                           self.schedule, self.global_batch, self.dtype, self.state_bytes_per_param,
+                           self.zero.tolist(), self.virtual_stages]).encode()
 
     def copy(self, **changes) -> Plan:
         p = Plan(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
                  recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
                  global_batch=self.global_batch, dtype=self.dtype, state_bytes_per_param=self.state_bytes_per_param,
-                 provenance=dict(self.provenance), graph_id=self.graph_id)
+                 provenance=dict(self.provenance), graph_id=self.graph_id, zero=self.zero.copy(),
+                 virtual_stages=self.virtual_stages)
         for k, v in changes.items():
             setattr(p, k, v)
         p.__post_init__()
         return p
+
+
+def is_attention_core(graph: OpGraph, v: int) -> bool:
+    """Whether node v is part of an attention core: a fused attention op, or a parameter-free softmax,
+    dropout or activation x activation matmul inside an attention module."""
+    kind = graph.kinds[v]
+    if kind in ATTENTION_CORE_KINDS:
+        return True
+    path = graph.module_paths[v].lower()
+    return (kind in _ATTENTION_INNER_KINDS and graph.param_bytes[v] == 0
+            and ("attn" in path or "attention" in path))
+
+
+def attention_core(graph: OpGraph) -> np.ndarray:
+    """Per node: recomputed under selective recomputation (the attention core)."""
+    return np.array([is_attention_core(graph, v) for v in range(graph.num_nodes)], dtype=bool)
+
+
+def recompute_flags(graph: OpGraph, mode: str | bool) -> np.ndarray:
+    """Per-node recomputation of a plan-wide mode: ``none``, ``selective`` (the attention core,
+    Korthikanti et al. 2022) or ``full`` (every node, Chen et al. 2016); True/False mean full/none."""
+    if mode is True or mode == "full":
+        return np.ones(graph.num_nodes, dtype=bool)
+    if mode is False or mode == "none" or mode is None:
+        return np.zeros(graph.num_nodes, dtype=bool)
+    if mode == "selective":
+        return attention_core(graph)
+    raise PlanError(f"unknown recomputation {mode!r}; choose one of {', '.join(RECOMPUTE)}")
 
 
 # ---------------------------------------------------------------------- builders
@@ -375,10 +481,27 @@ def megatron_layouts(graph: OpGraph) -> list[str]:
 
 def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
              microbatch_size: int | None = None, global_batch: int | None = None, schedule: str = "1f1b",
-             recompute: str | bool = "none", dtype: str = "bf16") -> Plan:
-    """The standard 3-D (tensor x pipeline x data) configuration for a transformer graph."""
+             recompute: str | bool = "none", dtype: str = "bf16", zero: int = 0, sequence_parallel: bool = False,
+             virtual_stages: int = 1) -> Plan:
+    """The standard 3-D (tensor x pipeline x data) configuration for a transformer graph, with
+    Megatron-LM's and DeepSpeed's options: ``recompute`` none / selective (the attention core) / full,
+    ``zero`` the ZeRO stage of the data-parallel replicas, ``sequence_parallel`` the token-wise ops of the
+    tensor-parallel layers sequence-split, ``virtual_stages`` model chunks per pipeline rank (interleaved
+    1F1B: the layers in pp x v equal chunks, chunk c on rank c mod pp)."""
     if min(tp, pp, dp) < 1:
         raise PlanError("tp, pp and dp must be >= 1")
+    if zero not in ZERO_STAGES:
+        raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    if zero and dp < 2:
+        raise PlanError(f"ZeRO stage {zero} needs data parallelism (dp >= 2), got dp={dp}")
+    if sequence_parallel and tp < 2:
+        raise PlanError(f"sequence parallelism needs tensor parallelism (tp >= 2), got tp={tp}")
+    if virtual_stages < 1:
+        raise PlanError(f"virtual stages must be >= 1, got {virtual_stages}")
+    if virtual_stages > 1 and pp < 2:
+        raise PlanError(f"virtual stages (interleaving) need pipeline parallelism (pp >= 2), got pp={pp}")
+    if virtual_stages > 1 and schedule != "1f1b":
+        raise PlanError(f"virtual stages (interleaving) need the 1f1b schedule, got {schedule!r}")
     if tp * pp * dp > topology.num_devices:
         raise PlanError(f"tp*pp*dp = {tp * pp * dp} exceeds the topology's {topology.num_devices} devices")
     if pp > graph.num_nodes:
@@ -391,9 +514,27 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
     if gb % (mbs * dp):
         raise PlanError(f"global batch {gb} is not a multiple of microbatch size {mbs} x dp {dp}")
     m = gb // mbs // dp
-    even = layer_stages(graph, pp)
-    stage = even if even is not None else contiguous_stages(graph, pp)
+    if virtual_stages > 1:
+        chunk = layer_stages(graph, pp * virtual_stages)
+        if chunk is None:
+            n_layers = len({int(x) for x in layer_ids(graph) if x >= 0})
+            raise PlanError(f"{virtual_stages} virtual stages x pp={pp} do not divide the model's {n_layers} layers")
+        if m % pp:
+            raise PlanError(f"interleaving needs the microbatches ({m}) to be a multiple of pp={pp}")
+        stage = chunk % pp
+    else:
+        even = layer_stages(graph, pp)
+        stage = even if even is not None else contiguous_stages(graph, pp)
     layouts = megatron_layouts(graph) if tp > 1 else ["replicate"] * graph.num_nodes
+    if sequence_parallel:
+        if "heads" not in graph.meta and "seq" not in graph.meta:
+            raise PlanError(f"sequence parallelism needs a sequence model (graph {graph.name!r} records no "
+                            "attention heads or sequence length)")
+        core = attention_core(graph)
+        fed = np.zeros(graph.num_nodes, dtype=bool)
+        fed[graph.edge_dst] = True  # model inputs stay whole: the embedding reads every token
+        layouts = ["seq_split" if lay == "replicate" and c & CAN_REPLICATE and c & CAN_BATCH and not core[v]
+                   and fed[v] else lay for v, (lay, c) in enumerate(zip(layouts, graph.layout_caps.tolist()))]
     width = tp * dp
     groups, dps, lays = [], [], []
     for v in range(graph.num_nodes):
@@ -409,11 +550,16 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
             lay, g = "single", (base,)
         groups.append(g)
         lays.append(lay)
-        dps.append(len(g) // tp if lay in ("col_split", "row_split", "replicate") else len(g))
-    rc = recompute in (True, "full")
-    return Plan(groups=groups, layouts=lays, dp=dps, recompute=np.full(graph.num_nodes, rc),
-                microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype,
-                provenance={"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs}).bind(graph)
+        dps.append(len(g) // tp if lay in ("col_split", "row_split", "replicate", "seq_split") else len(g))
+    zeros = [zero if d > 1 else 0 for d in dps]
+    mode = "full" if recompute is True else ("none" if recompute is False else recompute)
+    prov = {"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs}
+    if zero or sequence_parallel or virtual_stages > 1 or mode == "selective":
+        prov.update(zero=zero, sequence_parallel=bool(sequence_parallel), virtual_stages=virtual_stages,
+                    recompute=mode)
+    return Plan(groups=groups, layouts=lays, dp=dps, recompute=recompute_flags(graph, mode), zero=zeros,
+                microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype, virtual_stages=virtual_stages,
+                provenance=prov).bind(graph)
 
 
 def standard_plans(graph: OpGraph, topology: Topology, global_batch: int | None = None,

@@ -72,6 +72,7 @@ class GraphNodeDoc(_Doc):
     layout_caps: _int(0, 15) | None = None
     colocation: _int(-1, 10**9) = -1
     n_ops: _int(0, LIMITS["n_ops"]) = 1
+    saved_bytes: Bytes = 0.0
     measured: dict[Name, Annotated[list[Seconds], Field(min_length=2, max_length=2)]] = Field(default_factory=dict)
     # matrix multiplies: [m, n, k, batch, kind] (kind 0 dense, 1 per head; see envs.graph.OpGraph.gemm_node)
     gemms: list[Annotated[list[Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False, strict=True)]],
@@ -139,9 +140,10 @@ class TopologyDoc(_Doc):
 # ---------------------------------------------------------------------- plan
 class PlanNodeDoc(_Doc):
     devices: Annotated[list[_int(0, 10**7)], Field(min_length=1)]
-    layout: Literal["single", "batch_split", "col_split", "row_split", "replicate"]
+    layout: Literal["single", "batch_split", "col_split", "row_split", "replicate", "seq_split"]
     dp: _int(1, 10**7) = 1
     recompute: Annotated[bool, Field(strict=True)] = False
+    zero: _int(0, 3) = 0
 
 
 class PlanGraphDoc(_Doc):
@@ -155,6 +157,7 @@ class PlanDoc(_Doc):
     version: _int(1, 10**6)
     microbatches: _int(1, LIMITS["microbatches"]) = 1
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    virtual_stages: _int(1, 1024) = 1
     global_batch: _int(1, LIMITS["batch"]) | None = None
     dtype: Dtype = "bf16"
     state_bytes_per_param: _num(0.0, LIMITS["state_bytes_per_param"]) = 16.0

@@ -2,8 +2,10 @@
 
 ``execute_plan(plan, "gpt:layers=2,...", steps=5)`` builds the model a zoo (or file) spec names
 with a fixed seed, splits it as :mod:`profilers.execution_layout` describes (pipeline stages with
-``torch.distributed.pipelining``, data parallel with DDP, tensor parallel with DTensor
-``parallelize_module``), launches one local worker process per rank (``torch.multiprocessing``
+``torch.distributed.pipelining``, interleaved with ``ScheduleInterleaved1F1B``; data parallel with DDP,
+ZeRO-1 with ``ZeroRedundancyOptimizer``, ZeRO-2/3 with FSDP2 ``fully_shard``; tensor and sequence
+parallel with DTensor ``parallelize_module``; full or selective activation recomputation with
+``torch.utils.checkpoint``), launches one local worker process per rank (``torch.multiprocessing``
 with the forkserver start method where the platform has it, else spawn; gloo on CPU or NCCL on
 CUDA; a free localhost port) and trains ``warmup + steps`` SGD steps
 on synthetic data (MSE against random targets; every rank generates the same global batch from the
@@ -86,6 +88,8 @@ class ExecReport:
     backend: str = "gloo"
     memory_kind: str = "cpu_tensor_peak"
     warmup: int = 0
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    zero: list[int] = field(default_factory=list)  # the ZeRO stage of each pipeline stage
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -303,4 +307,5 @@ def execute_plan(plan: Plan | str | os.PathLike, model_spec: str, steps: int = 5
                       reference_loss=None if ref is None else ref[-1], loss_matches=matches,
                       losses=result["losses"], reference_losses=ref, world_size=lay.world_size, pp=lay.pp,
                       dp=lay.dp, tp=lay.tp, microbatches=lay.microbatches, schedule=lay.schedule, backend=backend,
-                      memory_kind="cuda_max_allocated" if backend == "nccl" else "cpu_tensor_peak", warmup=warmup)
+                      memory_kind="cuda_max_allocated" if backend == "nccl" else "cpu_tensor_peak", warmup=warmup,
+                      virtual_stages=lay.virtual_stages, zero=lay.zero)

@@ -24,6 +24,18 @@ Which plans run (everything else is refused with an :class:`ExecutionError` that
 * **data parallel** (``dp > 1``, ``tp == 1``): each replica gets a contiguous ``batch / dp`` slice
   of the global batch; DDP over the replicas without pipeline stages, and with them one flat
   gradient all-reduce per stage over its replicas after the pipeline schedule.
+* **ZeRO** (``Plan.zero``, over a stage's data-parallel replicas; one value for all weighted nodes of
+  a pipeline stage, else refused naming the nodes; stage > 0 needs ``dp >= 2``). Stage 1:
+  ``torch.distributed.optim.ZeroRedundancyOptimizer`` around the SGD optimizer (each replica keeps
+  the optimizer state of and updates its share of the parameters, then broadcasts them), beside DDP,
+  or beside the flat all-reduce with pipeline stages. Stages 2 and 3: FSDP2
+  (``torch.distributed.fsdp.fully_shard`` on each block, then on the stage's chunk, over the stage's
+  dp mesh; also inside ``torch.distributed.pipelining``, with and without interleaving); gradients
+  are reduce-scattered (with ``pp == 1`` after every microbatch, accumulated sharded). Stage 3
+  reshards the parameters after the forward (all-gathered again for the backward); stage 2 keeps
+  them gathered from the forward to the backward (``reshard_after_forward=False``: ZeRO-2's
+  communication, one all-gather and one reduce-scatter per step), but FSDP2 keeps parameters
+  sharded *between* steps, so its memory at rest is ZeRO-3's, not ZeRO-2's full replica.
 * **tensor parallel** (``tp > 1``, ``dp == 1``): DTensor ``parallelize_module`` on the stage's
   blocks. ``col_split`` / ``row_split`` on nodes with weights need an ``nn.Linear`` (or
   ``nn.Embedding``) at the node's module path, with the split dimension divisible by ``tp``;
@@ -32,13 +44,36 @@ Which plans run (everything else is refused with an :class:`ExecutionError` that
   divisible by tp; the executor regroups ``qkv``'s rows so each rank holds whole heads). A column
   split whose consumers (after elementwise col_split ops) are not split is gathered right away
   (``output_layouts=Replicate``; the elementwise ops then run replicated); a row split fed
-  by a replicated tensor shards it first (``input_layouts=Replicate``). Sharded tensors never cross
-  a pipeline-stage boundary. Everything else runs replicated.
+  by a replicated tensor shards it first (``input_layouts=Replicate``). Column-split tensors never
+  cross a pipeline-stage boundary. Everything else runs replicated.
+* **sequence parallel** (``seq_split``, inside a tensor-parallel stage; zoo ``gpt`` / ``moe`` / ``bert``
+  models, activations ``[batch, seq, hidden]``, the sequence divisible by tp): a region of
+  ``seq_split`` ops on 1/tp of the sequence, entered from row splits whose partial sums are
+  reduce-scattered along the sequence (``RowwiseParallel`` with a sequence-sharded output; an
+  embedding's too: ``wte`` / ``wpe`` of gpt) in place of the all-reduce, and left into column-split
+  Linears that all-gather it (``ColwiseParallel(input_layouts=Shard(1))``). Norms with weights
+  (``nn.LayerNorm`` / ``nn.RMSNorm``) run as DTensor ``SequenceParallel`` (their weight gradients summed
+  over the group); weightless ``seq_split`` ops must be token-wise (residual adds, dropout,
+  activations). Model inputs marked ``seq_split`` (token ids) are given whole to every rank. A
+  sequence-split tensor may cross a pipeline-stage boundary (each tp rank sends its shard to the same
+  tp rank of the next stage), must not feed a replicated op, a row split or the model's output, nor be
+  read in part (e.g. bert's pooler on token 0). The model's output is whole (gathered) on every tp
+  rank, so the loss needs no 1/tp scaling.
 * ``dp > 1`` together with ``tp > 1`` in one stage is refused (no 2-D DDP x TP).
 * **pipeline** (``pp > 1``): ``torch.distributed.pipelining`` ``PipelineStage`` +
   ``ScheduleGPipe`` / ``Schedule1F1B`` with the plan's microbatches (1F1B needs
   ``microbatches >= pp``). With ``pp == 1`` microbatches are gradient-accumulation steps.
-* **recompute**: a block is recomputed (``torch.utils.checkpoint``) when any of its nodes is marked.
+* **interleaved pipeline** (``Plan.virtual_stages`` = v > 1, ``Plan.chunks``): ``pp * v`` model chunks,
+  each a contiguous run of whole blocks, chunk ``c`` on pipeline stage ``c % pp`` (each rank owns
+  chunks ``r, r + pp, ...``, one ``PipelineStage`` each) under ``ScheduleInterleaved1F1B``. Needs the
+  1f1b schedule, ``pp >= 2`` and (torch 2.13) the microbatches a multiple of
+  ``max(1, microbatches // pp)`` (the plan itself asks for a multiple of pp).
+* **recompute**: a block is recomputed when any of its nodes is marked: *selectively* when the
+  marked nodes are exactly the block's attention-core nodes (``envs.plan.attention_core``; the plan's
+  ``recompute="selective"``): non-reentrant ``torch.utils.checkpoint`` with a selective-checkpoint
+  context (``create_selective_checkpoint_contexts``) whose policy recomputes the attention core's ops
+  (SDPA kernels, softmax, dropout, activation ``bmm``) and saves every other op's output; otherwise the
+  whole block (non-reentrant ``torch.utils.checkpoint``).
 """
 
 from __future__ import annotations
@@ -58,6 +93,8 @@ if TYPE_CHECKING:  # workers import this module: keep it light (no networkx thro
     from envs.plan import Plan
 
 ELEMENTWISE_KINDS = frozenset({"relu", "gelu", "silu", "tanh", "sigmoid", "act", "dropout"})
+# weightless ops that run token by token on a sequence shard (seq_split): residual adds, dropout, activations
+TOKENWISE_KINDS = ELEMENTWISE_KINDS | {"add", "sub", "mul", "residual"}
 
 
 class ExecutionError(RlplaceError):
@@ -88,16 +125,41 @@ class Chain(nn.Module):
         return x
 
 
-class Recompute(nn.Module):
-    """Activation recomputation of one block (non-reentrant ``torch.utils.checkpoint``)."""
+_ATTENTION_CORE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                       "_scaled_dot_product_attention_math", "scaled_dot_product_attention", "_softmax", "softmax",
+                       "native_dropout", "dropout", "bmm", "baddbmm")
 
-    def __init__(self, inner: nn.Module) -> None:
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Selective recomputation (Korthikanti et al. 2022): recompute the attention core's aten ops (fused
+    SDPA kernels, softmax, dropout, ``bmm`` / ``baddbmm``: QK^T and attention over values) in the
+    backward, save every other op's output (projections, norms, MLP). ``bmm`` occurs only for activation
+    x activation products here: a Linear on a 3-D input runs ``mm`` / ``addmm``."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(getattr(op, "overloadpacket", op), "__name__", "")
+    return CheckpointPolicy.PREFER_RECOMPUTE if name in _ATTENTION_CORE_OPS else CheckpointPolicy.MUST_SAVE
+
+
+class Recompute(nn.Module):
+    """Activation recomputation of one block (non-reentrant ``torch.utils.checkpoint``): the whole
+    block (``selective=False``), or only its attention core (``selective=True``: a selective
+    checkpoint context with :func:`selective_policy`)."""
+
+    def __init__(self, inner: nn.Module, selective: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.selective = selective
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
+        import functools
 
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if self.selective:
+            return checkpoint(self.inner, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy))
         return checkpoint(self.inner, *args, use_reentrant=False)
 
 
@@ -207,20 +269,26 @@ def node_blocks(graph: OpGraph, blocks: list[Block]) -> np.ndarray:
 # ---------------------------------------------------------------------------- layout
 @dataclass
 class StageLayout:
-    """One pipeline stage: its plan device group, blocks, and tensor-parallel styles."""
+    """One pipeline stage (with interleaving: one model chunk): its plan device group, blocks, ZeRO
+    stage, recomputation and tensor-parallel styles."""
 
     index: int
     devices: tuple[int, ...]
     blocks: list[int]
-    recompute: list[int] = field(default_factory=list)
-    # module path -> style: "col" (sharded output), "col_gather", "row" (sharded input), "row_rep"
+    recompute: list[int] = field(default_factory=list)  # blocks recomputed whole
+    # module path -> style: "col" (sharded output), "col_gather", "row" (sharded input), "row_rep"; with
+    # sequence parallelism also "seq" (a SequenceParallel norm), "col_seq" / "col_gather_seq" (the input
+    # all-gathered from sequence shards), "row_seq" / "row_rep_seq" (the output reduce-scattered to them)
     tp_styles: dict[str, str] = field(default_factory=dict)
     attention: list[str] = field(default_factory=list)  # SelfAttention paths with whole heads per rank
+    selective: list[int] = field(default_factory=list)  # blocks whose attention core only is recomputed
+    zero: int = 0  # ZeRO stage over the stage's data-parallel replicas
 
 
 @dataclass
 class ExecLayout:
-    """How a plan runs: ``pp x dp x tp`` ranks, its stages, microbatches and schedule."""
+    """How a plan runs: ``pp x dp x tp`` ranks, its stages (``pp * virtual_stages`` model chunks when
+    interleaved: chunk ``c`` on pipeline rank ``c % pp``), microbatches and schedule."""
 
     pp: int
     dp: int
@@ -230,25 +298,42 @@ class ExecLayout:
     schedule: str
     batch: int
     num_blocks: int
+    virtual_stages: int = 1
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(stage, dp replica, tp rank)`` of a global rank."""
+        """``(pipeline stage, dp replica, tp rank)`` of a global rank."""
         s, rest = divmod(rank, self.dp * self.tp)
         r, t = divmod(rest, self.tp)
         return s, r, t
+
+    def rank_chunks(self, stage: int) -> list[int]:
+        """The model chunks (indices into ``stages``) pipeline stage ``stage`` runs: ``stage + k * pp``."""
+        return [stage + k * self.pp for k in range(self.virtual_stages)]
 
     def plan_device(self, rank: int) -> int:
         s, r, t = self.coords(rank)
         return self.stages[s].devices[r * self.tp + t]
 
+    @property
+    def zero(self) -> list[int]:
+        """The ZeRO stage of each pipeline stage."""
+        return [self.stages[s].zero for s in range(self.pp)]
+
     def describe(self) -> str:
         parts = [f"pp={self.pp} dp={self.dp} tp={self.tp}", f"{self.microbatches} microbatch(es)"]
         if self.pp > 1:
-            parts.append(self.schedule)
+            parts.append(self.schedule if self.virtual_stages == 1
+                         else f"interleaved 1f1b, {self.virtual_stages} virtual stages")
+        if any(self.zero):
+            parts.append("ZeRO " + "/".join(str(z) for z in self.zero))
+        if any(st.selective for st in self.stages):
+            parts.append("selective recompute")
+        if any(s == "seq" or s.endswith("_seq") for st in self.stages for s in st.tp_styles.values()):
+            parts.append("sequence parallel")
         return ", ".join(parts)
 
 
@@ -264,6 +349,7 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
     if plan.num_nodes != graph.num_nodes:
         raise ExecutionError(f"the plan has {plan.num_nodes} nodes but the model's graph {graph.name!r} has "
                              f"{graph.num_nodes}: the plan was made for a different model")
+    n = graph.num_nodes
     batch = plan.batch(graph)
     m = plan.microbatches
     if m < 1 or batch % m:
@@ -271,26 +357,35 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
     blocks, _ = decompose(model)
     nb = node_blocks(graph, blocks)
     stage_of, pp = plan.stages(graph)
-    # each block on one stage, stages in block order
-    block_stage = np.full(len(blocks), -1, dtype=np.int64)
-    for v in range(graph.num_nodes):
-        b, s = int(nb[v]), int(stage_of[v])
-        if block_stage[b] >= 0 and block_stage[b] != s:
-            others = [graph.names[u] for u in range(graph.num_nodes) if nb[u] == b and stage_of[u] != s][:3]
+    vs = int(getattr(plan, "virtual_stages", 1) or 1)
+    if vs < 1:
+        raise ExecutionError(f"virtual_stages must be >= 1, got {vs}")
+    # the units blocks are assigned to: pipeline stages, or with interleaving the model chunks
+    unit_of, n_units, what = stage_of, pp, "stage"
+    if vs > 1:
+        unit_of, _ = plan.chunks(graph)
+        n_units, what = int(unit_of.max()) + 1, "chunk"
+        _check_interleaving(plan, graph, stage_of, unit_of, n_units, pp, vs, m)
+    # each block in one unit, units in block order
+    block_unit = np.full(len(blocks), -1, dtype=np.int64)
+    for v in range(n):
+        b, s = int(nb[v]), int(unit_of[v])
+        if block_unit[b] >= 0 and block_unit[b] != s:
+            others = [graph.names[u] for u in range(n) if nb[u] == b and unit_of[u] != s][:3]
             raise ExecutionError(f"the plan cuts inside block {blocks[b].name!r} (node {graph.names[v]!r} on "
-                                 f"stage {s}, {', '.join(repr(o) for o in others)} on stage {block_stage[b]}); the "
-                                 "executor splits pipeline stages only between blocks: "
+                                 f"{what} {s}, {', '.join(repr(o) for o in others)} on {what} {block_unit[b]}); "
+                                 "the executor splits pipeline stages only between blocks: "
                                  + ", ".join(blk.name for blk in blocks))
-        block_stage[b] = s
+        block_unit[b] = s
     for b in range(len(blocks)):  # a block no node maps to rides with the block before it
-        if block_stage[b] < 0:
-            block_stage[b] = block_stage[b - 1] if b else 0
-    if np.any(np.diff(block_stage) < 0) or len(set(block_stage.tolist())) != pp:
-        raise ExecutionError(f"the plan's stages are not contiguous in block order (block -> stage: "
-                             f"{dict(zip((blk.name for blk in blocks), block_stage.tolist()))}); the executor "
+        if block_unit[b] < 0:
+            block_unit[b] = block_unit[b - 1] if b else 0
+    if np.any(np.diff(block_unit) < 0) or len(set(block_unit.tolist())) != n_units:
+        raise ExecutionError(f"the plan's {what}s are not contiguous in block order (block -> {what}: "
+                             f"{dict(zip((blk.name for blk in blocks), block_unit.tolist()))}); the executor "
                              "runs only linear pipelines")
     groups: list[tuple[int, ...]] = [()] * pp
-    for v in range(graph.num_nodes):
+    for v in range(n):
         groups[int(stage_of[v])] = plan.groups[v]
     seen: dict[int, int] = {}
     for s, g in enumerate(groups):
@@ -299,7 +394,7 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
                 raise ExecutionError(f"device {d} serves pipeline stages {seen[d]} and {s}; the executor needs "
                                      "disjoint device groups per stage")
             seen[d] = s
-    dps = {int(plan.dp[v]) for v in range(graph.num_nodes)}
+    dps = {int(plan.dp[v]) for v in range(n)}
     sizes = {len(g) for g in groups}
     if len(dps) != 1 or len(sizes) != 1:
         raise ExecutionError(f"stages differ in shape (group sizes {sorted(sizes)}, dp degrees {sorted(dps)}); the "
@@ -312,23 +407,95 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
                              "(pure data or pure tensor parallelism per stage)")
     if (batch // m) % dp:
         raise ExecutionError(f"microbatch of {batch // m} samples does not split over dp={dp}")
-    if pp > 1 and plan.schedule == "1f1b" and m < pp:
-        raise ExecutionError(f"1f1b needs at least as many microbatches as stages ({m} < {pp}); use gpipe or more "
-                             "microbatches")
     if plan.schedule not in ("gpipe", "1f1b"):
         raise ExecutionError(f"unknown schedule {plan.schedule!r}")
-    stages = [StageLayout(s, groups[s], [b for b in range(len(blocks)) if block_stage[b] == s]) for s in range(pp)]
-    for b in range(len(blocks)):
-        if any(plan.recompute[v] for v in range(graph.num_nodes) if nb[v] == b):
-            stages[int(block_stage[b])].recompute.append(b)
+    if pp > 1 and vs == 1 and plan.schedule == "1f1b" and m < pp:
+        raise ExecutionError(f"1f1b needs at least as many microbatches as stages ({m} < {pp}); use gpipe or more "
+                             "microbatches")
+    stages = [StageLayout(c, groups[c % pp], [b for b in range(len(blocks)) if block_unit[b] == c])
+              for c in range(n_units)]
+    _recompute(plan, graph, nb, block_unit, stages)
+    for s, z in enumerate(_zero_stages(plan, graph, stage_of, pp, dp)):
+        for c in range(s, n_units, pp):
+            stages[c].zero = z
     if tp > 1:
-        _TensorParallelLayout(plan, graph, model, stage_of, stages, tp).fill()
+        _TensorParallelLayout(plan, graph, model, unit_of, stages, tp).fill()
     else:
-        bad = [v for v in range(graph.num_nodes) if plan.layouts[v] in ("col_split", "row_split") and width > 1]
+        bad = [v for v in range(n) if plan.layouts[v] == "seq_split"
+               or (plan.layouts[v] in ("col_split", "row_split") and width > 1)]
         if bad:
             raise ExecutionError(f"node {graph.names[bad[0]]!r} is {plan.layouts[bad[0]]} but its stage has tp=1")
     return ExecLayout(pp=pp, dp=dp, tp=tp, stages=stages, microbatches=m, schedule=plan.schedule, batch=batch,
-                      num_blocks=len(blocks))
+                      num_blocks=len(blocks), virtual_stages=vs)
+
+
+def _check_interleaving(plan: Plan, graph: OpGraph, stage_of: np.ndarray, chunk_of: np.ndarray, n_chunks: int,
+                        pp: int, vs: int, m: int) -> None:
+    """Interleaved 1F1B (``torch.distributed.pipelining.ScheduleInterleaved1F1B``): ``vs`` chunks per
+    pipeline stage, chunk ``c`` on stage ``c % pp``, and torch 2.13's microbatch rule."""
+    if pp < 2:
+        raise ExecutionError(f"virtual_stages={vs} (interleaving) needs pipeline parallelism, but the plan has "
+                             "one pipeline stage")
+    if plan.schedule != "1f1b":
+        raise ExecutionError(f"virtual_stages={vs} (interleaving) runs only with the 1f1b schedule "
+                             f"(ScheduleInterleaved1F1B), not {plan.schedule!r}")
+    if n_chunks != pp * vs:
+        raise ExecutionError(f"virtual_stages={vs}: the plan's {n_chunks} model chunks are not {vs} chunks on each "
+                             f"of its {pp} pipeline stages")
+    for v in range(graph.num_nodes):
+        c = int(chunk_of[v])
+        if int(stage_of[v]) != c % pp:
+            raise ExecutionError(f"interleaving: model chunk {c} (node {graph.names[v]!r}) is on pipeline stage "
+                                 f"{int(stage_of[v])}, but interleaved 1F1B runs chunk c on stage c % {pp} = "
+                                 f"{c % pp} (the chunks must visit the stages in turn)")
+    rounds = max(1, m // pp)
+    if m % rounds:
+        raise ExecutionError(f"interleaved 1f1b: torch's ScheduleInterleaved1F1B needs the microbatches ({m}) to "
+                             f"be a multiple of max(1, microbatches // pp) = {rounds}; use a multiple of pp={pp}")
+
+
+def _recompute(plan: Plan, graph: OpGraph, nb: np.ndarray, block_unit: np.ndarray,
+               stages: list[StageLayout]) -> None:
+    """Per block: nothing flagged, nothing recomputed; exactly its attention-core nodes flagged
+    (``envs.plan.attention_core``), selective recomputation; anything else flagged, the whole block."""
+    from envs.plan import attention_core
+
+    core = attention_core(graph)
+    for b in range(int(nb.max()) + 1 if nb.size else 0):
+        nodes = np.flatnonzero(nb == b)
+        flagged = nodes[plan.recompute[nodes]]
+        if not flagged.size:
+            continue
+        st = stages[int(block_unit[b])]
+        in_core = nodes[core[nodes]]
+        if in_core.size < nodes.size and np.array_equal(flagged, in_core):
+            st.selective.append(b)
+        else:
+            st.recompute.append(b)
+
+
+def _zero_stages(plan: Plan, graph: OpGraph, stage_of: np.ndarray, pp: int, dp: int) -> list[int]:
+    """The ZeRO stage of each pipeline stage: one value over its weighted nodes."""
+    out = []
+    zero = getattr(plan, "zero", None)
+    for s in range(pp):
+        nodes = [v for v in range(graph.num_nodes) if stage_of[v] == s and graph.param_bytes[v] > 0]
+        by_stage: dict[int, str] = {}
+        for v in nodes:
+            by_stage.setdefault(int(zero[v]) if zero is not None else 0, graph.names[v])
+        if len(by_stage) > 1:
+            raise ExecutionError(f"pipeline stage {s} mixes ZeRO stages ("
+                                 + ", ".join(f"{name!r} zero={z}" for z, name in sorted(by_stage.items()))
+                                 + "); the executor shards a stage's model states as a whole, so all weighted "
+                                 "nodes of a stage need one ZeRO stage")
+        z = next(iter(by_stage), 0)
+        if z not in (0, 1, 2, 3):
+            raise ExecutionError(f"node {by_stage[z]!r}: ZeRO stage {z} is not 0, 1, 2 or 3")
+        if z and dp < 2:
+            raise ExecutionError(f"node {by_stage[z]!r}: ZeRO stage {z} needs data parallelism (dp >= 2), "
+                                 f"but pipeline stage {s} has dp={dp}")
+        out.append(z)
+    return out
 
 
 class _TensorParallelLayout:
@@ -336,7 +503,9 @@ class _TensorParallelLayout:
     cannot express: nodes are visited in topological order; a weighted node must be an ``nn.Linear`` /
     ``nn.Embedding`` split by columns (sharded output, or gathered right away when nothing downstream is
     split) or rows; a weightless split node must sit between a column and a row split (an elementwise
-    activation, or the attention core of a zoo ``SelfAttention``)."""
+    activation, or the attention core of a zoo ``SelfAttention``). Sequence parallelism (``seq_split``):
+    a region of norms and token-wise ops on sequence shards, entered from row splits (reduce-scatter)
+    and left into column splits (all-gather); see the module docstring."""
 
     def __init__(self, plan: Plan, graph: OpGraph, model: nn.Module, stage_of: np.ndarray,
                  stages: list[StageLayout], tp: int) -> None:
@@ -346,6 +515,12 @@ class _TensorParallelLayout:
         self.succ = [graph.successors(v).tolist() for v in range(n)]
         self.lay = plan.layouts
         self.sharded = [self.lay[v] == "col_split" for v in range(n)]  # the node's output is column-split
+        # the node's output is sequence-split (model inputs, e.g. token ids, are given whole to every rank:
+        # an embedding needs every token; its output is reduce-scattered along the sequence instead)
+        self.seq = [self.lay[v] == "seq_split" and graph.kinds[v] != "input" for v in range(n)]
+        self.edge_bytes = {(int(a), int(b)): float(x) for a, b, x in
+                           zip(graph.edge_src.tolist(), graph.edge_dst.tolist(), graph.edge_bytes.tolist())}
+        self.sp_error = self._sequence_parallel_error() if any(self.seq) else None
         self.weighted = [graph.param_bytes[v] > 0 for v in range(n)]
         self.gathered: set[int] = set()  # elementwise col_split ops that run on a gathered (replicated) tensor
 
@@ -366,8 +541,15 @@ class _TensorParallelLayout:
         if lay[v] == "replicate":
             if any(self.sharded[p] for p in self.pred[v]):
                 raise ExecutionError(f"{who} is replicate but is fed a column-split tensor")
+            if any(self.seq[p] for p in self.pred[v]):
+                raise ExecutionError(f"{who} is replicate but is fed a sequence-split tensor; a sequence split "
+                                     "(seq_split) ends at a column-split Linear, which all-gathers the sequence")
             return
         mod = _module_at(self.model, self.graph.module_paths[v])
+        if lay[v] == "seq_split":
+            if self.graph.kinds[v] != "input":
+                self._seq_split(v, who, mod)
+            return
         if self.weighted[v]:
             self._split_module(v, who, mod)
         elif v not in self.gathered:
@@ -383,18 +565,32 @@ class _TensorParallelLayout:
             raise ExecutionError(f"{who} is {self.lay[v]}, but the executor splits only nn.Linear and nn.Embedding "
                                  f"(module {path!r} is {type(mod).__name__})")
         in_sh = [self.sharded[p] for p in self.pred[v]]
+        in_seq = [self.seq[p] for p in self.pred[v]]
         if self.lay[v] == "col_split":
             if any(in_sh):
                 raise ExecutionError(f"{who} is col_split but its input is already sharded")
+            if any(in_seq) and (not all(in_seq) or not isinstance(mod, nn.Linear)):
+                raise ExecutionError(f"{who}: only a column-split nn.Linear with sequence-split inputs only can "
+                                     "end a sequence split (all-gather)")
             dim = mod.out_features if isinstance(mod, nn.Linear) else mod.embedding_dim
-            self._styles(v)[path] = self._column_style(v, who, mod)
+            style = self._column_style(v, who, mod)
+            self._styles(v)[path] = style + "_seq" if any(in_seq) else style
         else:
             dim = mod.in_features if isinstance(mod, nn.Linear) else mod.num_embeddings
             if any(in_sh) and not all(in_sh):
                 raise ExecutionError(f"{who} is row_split with both sharded and replicated inputs")
             if any(in_sh) and isinstance(mod, nn.Embedding):
                 raise ExecutionError(f"{who}: a row-split embedding needs replicated indices")
-            self._styles(v)[path] = "row" if any(in_sh) else "row_rep"
+            if any(in_seq):
+                raise ExecutionError(f"{who} is row_split but is fed a sequence-split tensor")
+            to_seq = [self.lay[u] == "seq_split" for u in self.succ[v]]
+            if any(to_seq) and not all(to_seq):
+                raise ExecutionError(f"{who} is row_split with both sequence-split (seq_split) and other consumers")
+            style = "row" if any(in_sh) else "row_rep"
+            if to_seq and all(to_seq):  # reduce-scatter to sequence shards in place of the all-reduce
+                style += "_seq"
+                self.seq[v] = True
+            self._styles(v)[path] = style
         if dim % self.tp:
             raise ExecutionError(f"{who}: dimension {dim} is not divisible by tp={self.tp}")
 
@@ -443,7 +639,7 @@ class _TensorParallelLayout:
         if kind == "sdpa" and isinstance(mod, SelfAttention):
             qkv, out = f"{path}.qkv", f"{path}.out"
             out_ok = any(self.graph.module_paths[u] == out and lay[u] == "row_split" for u in range(len(lay)))
-            if self._styles(v).get(qkv) != "col" or not out_ok:
+            if self._styles(v).get(qkv) not in ("col", "col_seq") or not out_ok:
                 raise ExecutionError(f"{who}: attention runs split only with {qkv!r} col_split and {out!r} row_split")
             if mod.heads % self.tp:
                 raise ExecutionError(f"{who}: {mod.heads} heads do not split over tp={self.tp}")
@@ -451,6 +647,51 @@ class _TensorParallelLayout:
             return
         raise ExecutionError(f"{who} is col_split, but the executor shards only elementwise activations and "
                              "zoo SelfAttention between a column and a row split")
+
+    def _sequence_parallel_error(self) -> str | None:
+        """Why this model cannot run sequence-parallel (None: it can): activations must be
+        ``[batch, seq, hidden]`` (zoo gpt / moe / bert) with the sequence divisible by tp."""
+        from profilers.zoo import BERT, GPT
+
+        if not isinstance(self.model, (GPT, BERT)):
+            return (f"sequence parallelism (seq_split) runs only on zoo gpt, moe and bert models (activations "
+                    f"[batch, seq, hidden]), not on a {type(self.model).__name__}")
+        pos = self.model.wpe if isinstance(self.model, GPT) else self.model.pos
+        if pos.num_embeddings % self.tp:
+            return f"sequence parallelism: sequence length {pos.num_embeddings} is not divisible by tp={self.tp}"
+        return None
+
+    def _seq_split(self, v: int, who: str, mod: nn.Module | None) -> None:
+        """A sequence-split node: a norm (SequenceParallel) or a token-wise weightless op on sequence
+        shards, fed by sequence-split tensors and feeding seq_split ops or column-split Linears."""
+        if self.sp_error:
+            raise ExecutionError(f"{who}: {self.sp_error}")
+        names, lay, kind = self.graph.names, self.lay, self.graph.kinds[v]
+        if not self.pred[v]:
+            raise ExecutionError(f"{who} is seq_split but has no input; a sequence split starts at a row split")
+        for u in self.pred[v]:
+            if not self.seq[u]:
+                raise ExecutionError(f"{who} is seq_split but its input {names[u]!r} ({lay[u]}) is not "
+                                     "sequence-split; a sequence split starts at a row-split Linear or Embedding "
+                                     "(reduce-scatter)")
+        if not self.succ[v]:
+            raise ExecutionError(f"{who} is seq_split but is the model's output; end the sequence split with a "
+                                 "column-split Linear (all-gather)")
+        for u in self.succ[v]:
+            if not (lay[u] == "seq_split" or (lay[u] == "col_split" and self.weighted[u])):
+                raise ExecutionError(f"{who} is seq_split but feeds {names[u]!r} ({lay[u]}); a sequence split "
+                                     "ends at a column-split Linear (all-gather)")
+            if self.edge_bytes.get((v, u), 0.0) < self.graph.out_bytes[v]:
+                raise ExecutionError(f"{who} is seq_split but {names[u]!r} reads only part of its output (e.g. "
+                                     "one token, like a pooler); a sequence split must feed whole tensors")
+        if self.weighted[v]:
+            if not isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
+                raise ExecutionError(f"{who} is seq_split, but the executor runs only nn.LayerNorm / nn.RMSNorm "
+                                     "weights on sequence shards")
+            self._styles(v)[self.graph.module_paths[v]] = "seq"
+        elif kind not in TOKENWISE_KINDS:
+            raise ExecutionError(f"{who} is seq_split, but the executor runs only norms and token-wise ops "
+                                 f"({', '.join(sorted(TOKENWISE_KINDS))}) on sequence shards")
 
     def _check_attention_cores(self) -> None:
         """A column-split qkv must come with its attention core split by heads."""
@@ -479,27 +720,65 @@ def regroup_qkv(attn: nn.Module, tp: int) -> None:
 
 def _local_heads_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """SelfAttention forward on this rank's heads (qkv column-split after :func:`regroup_qkv`)."""
-    b, t, _ = x.shape
-    q, k, v = self.qkv(x).view(b, t, 3, self.heads // self.tp_degree, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    h = self.qkv(x)  # with sequence parallelism x is a sequence shard, h the whole (gathered) sequence
+    b, t, _ = h.shape
+    q, k, v = h.view(b, t, 3, self.heads // self.tp_degree, -1).permute(2, 0, 3, 1, 4).unbind(0)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
     return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+_ROWWISE_TO_SEQUENCE: list[type] = []
+
+
+def _rowwise_to_sequence(**kw):
+    """A ``RowwiseParallel`` whose partial output is reduce-scattered along the sequence dimension, found
+    at run time as ``ndim - 2`` (``[batch, seq, hidden]``, or ``[seq, hidden]`` for a position embedding).
+    The class is made on first use (torch.distributed.tensor is imported lazily here)."""
+    if not _ROWWISE_TO_SEQUENCE:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        class RowwiseToSequence(RowwiseParallel):
+            def __init__(self, **kw) -> None:
+                super().__init__(output_layouts=Shard(1), **kw)
+
+            @staticmethod
+            def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+                seq = (Shard(outputs.ndim - 2),)
+                if tuple(outputs.placements) != seq:
+                    outputs = outputs.redistribute(placements=seq)
+                return outputs.to_local() if use_local_output else outputs
+
+        _ROWWISE_TO_SEQUENCE.append(RowwiseToSequence)
+    return _ROWWISE_TO_SEQUENCE[0](**kw)
 
 
 def apply_tensor_parallel(model: nn.Module, stage: StageLayout, mesh, tp: int) -> None:
     """``parallelize_module`` the stage's split modules on the 1-D ``mesh`` (in place)."""
     import types
 
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     for path in stage.attention:
         attn = model.get_submodule(path)
         regroup_qkv(attn, tp)
         attn.tp_degree = tp
         attn.forward = types.MethodType(_local_heads_forward, attn)
+    seq = Shard(1)  # activations [batch, seq, hidden]
     styles = {"col": lambda: ColwiseParallel(),
               "col_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
               "row": lambda: RowwiseParallel(),
-              "row_rep": lambda: RowwiseParallel(input_layouts=Replicate())}
+              "row_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+              "seq": lambda: SequenceParallel(use_local_output=True),
+              "col_seq": lambda: ColwiseParallel(input_layouts=seq),
+              "col_gather_seq": lambda: ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+              "row_seq": lambda: _rowwise_to_sequence(),
+              "row_rep_seq": lambda: _rowwise_to_sequence(input_layouts=Replicate())}
     if stage.tp_styles:
         parallelize_module(model, mesh, {p: styles[s]() for p, s in stage.tp_styles.items()})

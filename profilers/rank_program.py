@@ -3,11 +3,12 @@
 :func:`profilers.execute.execute_plan` (one process group per run) and
 :class:`profilers.measured_evaluator.MeasuredEvaluator` (a persistent pool, a sub-mesh per plan) send
 each rank a :class:`Job` and call :func:`train_rank` in it: build the model from the seed, keep this
-rank's pipeline stage (blocks, recomputation, tensor-parallel styles of
-:class:`profilers.execution_layout.ExecLayout`), wrap it in DDP or a pipeline schedule, and time
-``warmup + steps`` SGD steps on synthetic data (the slowest rank's wall time per step). Also here: the
-synthetic data (:func:`make_batch`), the loss (:func:`mse`), peak memory, a free localhost port and the
-``RLPLACE_EXEC_FAIL_RANK`` test hook. Spawned workers import this module: it needs torch and
+rank's pipeline stage (its model chunks: blocks, full or selective recomputation, tensor- and
+sequence-parallel styles of :class:`profilers.execution_layout.ExecLayout`), wrap it in DDP, ZeRO
+(``ZeroRedundancyOptimizer`` for stage 1, FSDP2 ``fully_shard`` for stages 2 and 3) or a pipeline
+schedule (GPipe, 1F1B, interleaved 1F1B), and time ``warmup + steps`` SGD steps on synthetic data
+(the slowest rank's wall time per step). Also here: the synthetic data (:func:`make_batch`), the loss
+(:func:`mse`), peak memory, a free localhost port and the ``RLPLACE_EXEC_FAIL_RANK`` test hook. Spawned workers import this module: it needs torch and
 :mod:`profilers.execution_layout` only (no networkx, no ``envs.graph``).
 """
 
@@ -163,15 +164,26 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
     lay = job.layout
     s, r, tp_rank = lay.coords(rank)
     first, last = s == 0, s == lay.pp - 1
-    stage_mod, example, highs = _stage_module(job, s, device, mesh)
+    chunks, example, highs = _stage_modules(job, s, device, mesh)
+    zero = lay.stages[s].zero
     dp_group = mesh["dp"].get_group() if lay.dp > 1 else None
-    if lay.dp > 1 and lay.pp == 1:
+    if lay.dp > 1 and zero >= 2:  # ZeRO-2 / ZeRO-3: FSDP2 over the replicas (reduce-scatters the gradients)
+        chunks = [shard_fully(c, mesh["dp"], zero) for c in chunks]
+    elif lay.dp > 1 and lay.pp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        stage_mod = DDP(stage_mod, process_group=dp_group,
-                        device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    opt = torch.optim.SGD(stage_mod.parameters(), lr=job.lr, foreach=False)
-    schedule = _pipeline_schedule(stage_mod, s, lay, device, mesh) if lay.pp > 1 else None
+        chunks = [DDP(chunks[0], process_group=dp_group,
+                      device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)]
+    stage_mod = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+    params = [p for c in chunks for p in c.parameters()]
+    if zero == 1:  # ZeRO-1: each replica updates (and keeps optimizer state for) its share of the parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD,
+                                                             process_group=dp_group, lr=job.lr, foreach=False)
+    else:
+        opt = torch.optim.SGD(params, lr=job.lr, foreach=False)
+    schedule = _pipeline_schedule(chunks, s, lay, device, mesh) if lay.pp > 1 else None
     rows = slice(r * (lay.batch // lay.dp), (r + 1) * (lay.batch // lay.dp))
     reporter = last and tp_rank == 0  # one loss per data-parallel replica
     times: list[float] = []
@@ -186,8 +198,9 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
         if schedule is not None:
             loss = _pipeline_step(schedule, xs, y, last, record_loss)
         else:
-            loss = _accumulated_step(stage_mod, xs, y, lay.microbatches, lay.dp, device, record_loss)
-        if lay.pp > 1 and dp_group is not None:
+            loss = _accumulated_step(stage_mod, xs, y, lay.microbatches, lay.dp > 1 and zero < 2, device,
+                                     record_loss)
+        if lay.pp > 1 and dp_group is not None and zero < 2:
             allreduce_grads(stage_mod, dp_group, lay.dp)
         opt.step()
         return loss
@@ -224,24 +237,55 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
     return out
 
 
-def _stage_module(job: Job, stage: int, device: torch.device, mesh: Any) -> tuple[nn.Module, tuple, list]:
-    """This rank's pipeline stage of the seeded model (its blocks, recomputed ones wrapped, tensor-parallel
-    modules split over ``mesh["tp"]``), the model's example inputs and the inputs' index ranges."""
+def _stage_modules(job: Job, stage: int, device: torch.device, mesh: Any) -> tuple[list[nn.Module], tuple, list]:
+    """This rank's model chunks of the seeded model (one per chunk of pipeline stage ``stage``; one unless
+    interleaved): each a Chain of its blocks, recomputed ones wrapped, tensor-parallel modules split over
+    ``mesh["tp"]``; also the model's example inputs and the inputs' index ranges."""
     lay = job.layout
-    spec = lay.stages[stage]
     model, example = build_seeded_model(job.spec, job.seed, job.dtype, job.zoo)
     blocks, highs = decompose(model)
-    stage_mod: nn.Module = Chain([Recompute(blocks[b].module) if b in spec.recompute else blocks[b].module
-                                  for b in spec.blocks]).to(device)
-    if lay.tp > 1:
-        apply_tensor_parallel(model, spec, mesh["tp"], lay.tp)
-    return stage_mod, example, highs
+    chunks: list[nn.Module] = []
+    for c in lay.rank_chunks(stage):
+        spec = lay.stages[c]
+        mods = [Recompute(blocks[b].module) if b in spec.recompute
+                else Recompute(blocks[b].module, selective=True) if b in spec.selective
+                else blocks[b].module for b in spec.blocks]
+        chunks.append(Chain(mods).to(device))
+        if lay.tp > 1:
+            apply_tensor_parallel(model, spec, mesh["tp"], lay.tp)
+    return chunks, example, highs
 
 
-def _pipeline_schedule(stage_mod: nn.Module, stage: int, lay: ExecLayout, device: torch.device, mesh: Any):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def shard_fully(chunk: nn.Module, dp_mesh: Any, zero: int) -> nn.Module:
+    """ZeRO-2 / ZeRO-3 with FSDP2 (``torch.distributed.fsdp.fully_shard``) over the data-parallel mesh:
+    each block, then the chunk. Stage 3 reshards the parameters after the forward (all-gathered again
+    for the backward); stage 2 keeps them gathered from the forward through the backward (ZeRO-2's
+    communication: one all-gather, one reduce-scatter per step), but like FSDP2 itself keeps them
+    sharded between steps, so its memory at rest is ZeRO-3's."""
+    from torch.distributed.fsdp import fully_shard
 
-    pstage = PipelineStage(stage_mod, stage, lay.pp, device, group=mesh["pp"].get_group())
+    reshard = zero >= 3
+    for block in chunk.blocks:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=reshard)
+    return chunk
+
+
+def _pipeline_schedule(chunks: list[nn.Module], stage: int, lay: ExecLayout, device: torch.device, mesh: Any):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    group = mesh["pp"].get_group()
+    if lay.virtual_stages > 1:  # chunk c of the model is pipeline stage c of pp * v, on rank c % pp
+        stages = [PipelineStage(mod, c, lay.pp * lay.virtual_stages, device, group=group)
+                  for mod, c in zip(chunks, lay.rank_chunks(stage))]
+        return ScheduleInterleaved1F1B(stages, lay.microbatches, loss_fn=mse)
+    pstage = PipelineStage(chunks[0], stage, lay.pp, device, group=group)
     return (ScheduleGPipe if lay.schedule == "gpipe" else Schedule1F1B)(pstage, lay.microbatches, loss_fn=mse)
 
 
@@ -255,15 +299,16 @@ def _pipeline_step(schedule, xs: list[torch.Tensor], y: torch.Tensor, last: bool
     return torch.stack([x.detach().float() for x in mb_losses]).mean() if last else torch.zeros(())
 
 
-def _accumulated_step(module: nn.Module, xs: list[torch.Tensor], y: torch.Tensor, microbatches: int, dp: int,
+def _accumulated_step(module: nn.Module, xs: list[torch.Tensor], y: torch.Tensor, microbatches: int, ddp: bool,
                       device: torch.device, record_loss: bool) -> torch.Tensor | None:
-    """Forward and backward of each microbatch in turn (gradient accumulation; DDP reduces only with the
-    last one); the summed loss."""
+    """Forward and backward of each microbatch in turn (gradient accumulation; with DDP, ``ddp``, the
+    gradients are reduced only with the last one; FSDP2 reduce-scatters every microbatch's gradients and
+    accumulates them sharded); the summed loss."""
     loss = torch.zeros((), device=device) if record_loss else None
     chunks = [torch.tensor_split(x, microbatches) for x in xs]
     ys = torch.tensor_split(y, microbatches)
     for j in range(microbatches):
-        ctx = module.no_sync() if dp > 1 and j < microbatches - 1 else nullcontext()
+        ctx = module.no_sync() if ddp and j < microbatches - 1 else nullcontext()
         with ctx:
             part = mse(module(*[c[j] for c in chunks]), ys[j]) / microbatches
             part.backward()

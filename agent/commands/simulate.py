@@ -10,7 +10,7 @@ from agent.report import format_time
 from agent.resolve import resolve_graph
 from envs.errors import PlanError
 from envs.files import check_output_path, finite_json
-from envs.plan import SCHEDULES, Plan, megatron_plan, standard_plans
+from envs.plan import RECOMPUTE, SCHEDULES, Plan, megatron_plan, standard_plans
 from envs.presets import resolve_topology
 from envs.sim import OBJECTIVES, StepReport, simulate
 
@@ -26,7 +26,14 @@ def simulate_cmd(
     global_batch: int = typer.Option(None, "--global-batch", min=1,
                                      help="samples per step (default: the graph's batch)"),
     schedule: str = typer.Option("1f1b", "--schedule", help="gpipe or 1f1b"),
-    recompute: str = typer.Option("none", "--recompute", help="none or full"),
+    recompute: str = typer.Option("none", "--recompute", help="none, selective (the attention core) or full"),
+    zero: int = typer.Option(0, "--zero", min=0, max=3, help="ZeRO stage over the data-parallel replicas (0-3)"),
+    sequence_parallel: bool = typer.Option(False, "--sequence-parallel",
+                                           help="sequence parallelism for the tensor-parallel layers' token-wise ops"),
+    virtual_stages: int = typer.Option(1, "--virtual-stages", min=1,
+                                       help="model chunks per pipeline rank (interleaved 1F1B when > 1)"),
+    expert_parallel: int = typer.Option(None, "--expert-parallel", min=1,
+                                        help="expert-parallel group size for mixture-of-experts layers"),
     objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     gantt: str = typer.Option(None, "--gantt", help="write a Gantt chart PNG of the timeline"),
@@ -35,8 +42,15 @@ def simulate_cmd(
     """Simulate one training step. Without --plan or --tp/--pp/--dp, compares standard plans."""
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    if recompute not in ("none", "full"):
-        raise PlanError(f"--recompute must be none or full, got {recompute!r}")
+    if recompute not in RECOMPUTE:
+        raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if expert_parallel is not None and expert_parallel > 1:
+        raise PlanError("--expert-parallel: expert parallelism is not simulated yet (the graphs have no "
+                        "expert-parallel all-to-all yet); leave it out")
+    extras = zero or sequence_parallel or virtual_stages > 1 or recompute != "none"
+    if plan and extras:
+        raise PlanError("--zero/--recompute/--sequence-parallel/--virtual-stages build a Megatron template: give "
+                        "them with --tp/--pp/--dp, not with --plan (a plan file carries its own)")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if plan and any(x is not None for x in (tp, pp, dp, microbatch_size, global_batch)):
@@ -49,10 +63,15 @@ def simulate_cmd(
     topo = resolve_topology(topology)
     if plan:
         plans = {plan: Plan.load(plan)}
-    elif any(x is not None for x in (tp, pp, dp, microbatch_size)):
-        plans = {f"megatron tp{tp or 1} pp{pp or 1} dp{dp or 1}": megatron_plan(
+    elif any(x is not None for x in (tp, pp, dp, microbatch_size)) or extras:
+        name = f"megatron tp{tp or 1} pp{pp or 1} dp{dp or 1}" + "".join(
+            f" {x}" for x, on in ((f"zero{zero}", zero), ("sp", sequence_parallel), (f"v{virtual_stages}",
+                                                                                     virtual_stages > 1),
+                                  (f"{recompute} recompute", recompute != "none")) if on)
+        plans = {name: megatron_plan(
             g, topo, tp=tp or 1, pp=pp or 1, dp=dp or 1, microbatch_size=microbatch_size, global_batch=global_batch,
-            schedule=schedule, recompute=recompute)}
+            schedule=schedule, recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
+            virtual_stages=virtual_stages)}
     else:
         plans = standard_plans(g, topo, global_batch)
     reports: dict[str, StepReport] = {name: simulate(g, topo, p, objective) for name, p in plans.items()}

@@ -111,31 +111,66 @@ def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
     return out
 
 
+def memory_options(tp: int, pp: int, dp: int) -> tuple[list[dict], list[dict]]:
+    """The per-configuration settings a user sweeps, as (always tried, tried in turn while everything
+    so far runs out of memory): without and with sequence parallelism (tp > 1), without and with ZeRO-1
+    (dp > 1); then selective recomputation, ZeRO-2 and ZeRO-3 (dp > 1 and no pipeline: DeepSpeed's and
+    Megatron-LM's FSDP refuse ZeRO-2/3 with pipeline parallelism) and full recomputation."""
+    sps = (False, True) if tp > 1 else (False,)
+    zeros = (0, 1) if dp > 1 else (0,)
+    always = [dict(zero=z, sequence_parallel=sp, recompute="none") for z in zeros for sp in sps]
+    sp, z1 = tp > 1, 1 if dp > 1 else 0
+    savers = [dict(zero=z1, sequence_parallel=sp, recompute="selective")]
+    if dp > 1 and pp == 1:
+        savers += [dict(zero=2, sequence_parallel=sp, recompute="selective"),
+                   dict(zero=3, sequence_parallel=sp, recompute="selective")]
+    savers.append(dict(zero=3 if dp > 1 and pp == 1 else z1, sequence_parallel=sp, recompute="full"))
+    return always, savers
+
+
 def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None,
                 objective: str = "step_time") -> Plan:
     """Best Megatron-LM 3-D configuration by exhaustive enumeration under the budget (see module
-    docstring). The enumeration order puts configurations over all devices first, so a short budget
-    still covers them."""
+    docstring): per (tp, pp, dp, microbatch size, schedule) the settings of :func:`memory_options`,
+    then for pipelines interleaving (2-4 virtual stages where they divide the layers) of the best of
+    them. The enumeration order puts configurations over all devices first, so a short budget still
+    covers them."""
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
     kw = plan_defaults(graph)
     best: tuple | None = None
+
+    def score(cfg: dict, opts: dict, v: int = 1):
+        nonlocal best
+        try:
+            plan = megatron_plan(graph, topology, tp=cfg["tp"], pp=cfg["pp"], dp=cfg["dp"],
+                                 microbatch_size=cfg["microbatch_size"], global_batch=graph.batch_size,
+                                 schedule=cfg["schedule"], dtype=kw["dtype"], virtual_stages=v, **opts)
+        except PlanError:
+            return None
+        plan = enforce_constraints(graph, topology, plan.copy(state_bytes_per_param=kw["state_bytes_per_param"]))
+        out = scorer(plan)
+        if out is not None and (best is None or out.key() < best[0].key()):
+            best = (out, plan, cfg, {**opts, "virtual_stages": v})
+        return out
+
     for cfg in megatron_configs(graph, topology):
         if best is not None and scorer.exhausted():
             break
-        for rc in ("none", "full"):
-            try:
-                plan = megatron_plan(graph, topology, tp=cfg["tp"], pp=cfg["pp"], dp=cfg["dp"],
-                                microbatch_size=cfg["microbatch_size"], global_batch=graph.batch_size,
-                                schedule=cfg["schedule"], recompute=rc, dtype=kw["dtype"])
-            except PlanError:
+        always, savers = memory_options(cfg["tp"], cfg["pp"], cfg["dp"])
+        results = [(score(cfg, o), o) for o in always]
+        if results[0][0] is None:
+            continue  # the configuration itself is invalid for this graph
+        fits = [(r, o) for r, o in results if r is not None and not r.oom]
+        for o in savers if not fits else []:
+            r = score(cfg, o)
+            if r is not None and not r.oom:
+                fits.append((r, o))
                 break
-            plan = enforce_constraints(graph, topology, plan.copy(state_bytes_per_param=kw["state_bytes_per_param"]))
-            out = scorer(plan)
-            if out is not None and (best is None or out.key() < best[0].key()):
-                best = (out, plan, cfg, rc)
-            if out is None or not out.oom:
-                break  # recomputation only helps when the plain configuration runs out of memory
+        if cfg["pp"] > 1 and cfg["schedule"] == "1f1b" and fits and not scorer.exhausted():
+            top = min(fits, key=lambda ro: ro[0].key())[1]
+            for v in (2, 3, 4):
+                score(cfg, top, v)
     if best is None:
         raise PlacerError("megatron_3d found no valid configuration")
     cfg = {k: v for k, v in best[2].items() if k != "total"}
-    return finish(best[1], "megatron_3d", seed, scorer, config={**cfg, "recompute": best[3]})
+    return finish(best[1], "megatron_3d", seed, scorer, config={**cfg, **best[3]})

@@ -40,8 +40,11 @@ KIND_VOCAB = 16  # op kinds hashed into this many buckets (one-hot)
 NODE_FEATURES = 18 + KIND_VOCAB
 EDGE_FEATURES = 2
 DEVICE_FEATURES = 6
-OPTION_FEATURES = 6 + len(LAYOUTS)
-NODE_STATE_FEATURES = 4 + len(LAYOUTS)
+# the layouts the environment's options place nodes in (the plan's first five; sequence splits are not
+# an option of the environment yet, so the shipped policy's observation space is unchanged)
+OPTION_LAYOUTS = LAYOUTS[:5]
+OPTION_FEATURES = 6 + len(OPTION_LAYOUTS)
+NODE_STATE_FEATURES = 4 + len(OPTION_LAYOUTS)
 DEVICE_STATE_FEATURES = 3
 OPTION_STATE_FEATURES = 3
 PHASES = ("microbatches", "schedule", "recompute", "place")

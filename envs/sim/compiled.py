@@ -36,6 +36,7 @@ from envs.sim.cost import (
     KIND_OPT,
     L_COL,
     L_ROW,
+    L_SEQ,
     LAYOUT_CODE,
     CommTimes,
     Crossing,
@@ -48,6 +49,7 @@ from envs.sim.cost import (
     layout_crossing,
     memory,
     optimizer_time,
+    work_split,
 )
 from envs.sim.kernels import assemble_tasks, ddp_buckets, expand_groups, group_edges, stage_of
 from envs.sim.schedule import busy_times, csr_and_indegree, schedule
@@ -96,7 +98,7 @@ class LazyLabels(Sequence):
 class PlanArrays:
     """A plan in array form (what :meth:`CompiledSimulator.evaluate` computes from a Plan and reuses in delta)."""
 
-    __slots__ = ("gid", "lay", "dp", "rc", "m", "schedule", "scale", "objective", "dtype", "state_bytes",
+    __slots__ = ("gid", "lay", "dp", "rc", "zero", "m", "schedule", "scale", "objective", "dtype", "state_bytes",
                  "fwd", "bwd", "host_f", "host_b", "plan", "like")
 
     def copy(self) -> PlanArrays:
@@ -203,6 +205,7 @@ class CompiledSimulator:
         pa.lay = np.array(list(map(LAYOUT_CODE.__getitem__, plan.layouts)), dtype=np.int64)
         pa.dp = np.asarray(plan.dp, dtype=np.int64)
         pa.rc = np.asarray(plan.recompute, dtype=bool)
+        pa.zero = np.asarray(plan.zero, dtype=np.int64)
         latency = objective == "latency"
         pa.objective = objective
         pa.m = 1 if latency else int(plan.microbatches)
@@ -222,7 +225,7 @@ class CompiledSimulator:
         gid, lay, dp = pa.gid[idx], pa.lay[idx], pa.dp[idx]
         _, _, size = self._group_arrays()
         tp = size[gid] // dp
-        split = np.where((lay == L_COL) | (lay == L_ROW), tp, 1)
+        split = work_split(lay, tp)
         specs, _, present = self._device_specs(pa.dtype)
         t = group_op_times(self.graph, specs, present[gid] if len(specs) > 1 else None, idx, pa.scale / dp, split,
                            lay, DTYPE_BYTES.get(pa.dtype, 2))
@@ -308,6 +311,12 @@ class CompiledSimulator:
                  tail: bool = True) -> StepReport:
         """StepReport of ``plan`` (objective ``step_time`` or ``latency``); the plan is not validated.
         (``tail=False`` leaves out the gradient all-reduce and optimizer: the stage model's use.)"""
+        if plan.virtual_stages > 1 and objective != "latency":
+            # interleaved 1F1B: its priorities are not affine in the microbatch, which the kernel's
+            # are; the reference builder is the specification and is used as is
+            from envs.sim.reference import simulate_reference
+
+            return simulate_reference(self.graph, self.topology, plan, objective, timeline=timeline)
         pa = self.arrays(plan, objective)
         self._last = pa
         return self._run(pa, timeline, tail)
@@ -318,6 +327,14 @@ class CompiledSimulator:
         group size for batch_split, else 1): the same result as a full evaluation of the modified
         plan. ``plan`` may be the PlanArrays of a previous call (``report.plan_arrays``) or None for
         the last plan evaluated; a Plan is converted (and then cached as the last one)."""
+        if plan is not None and not isinstance(plan, PlanArrays) and plan.virtual_stages > 1:
+            moved = plan.copy()
+            moved.groups[node] = tuple(int(d) for d in group)
+            moved.layouts[node] = layout
+            moved.dp[node] = int(dp) if dp is not None else (len(moved.groups[node]) if layout == "batch_split" else 1)
+            if recompute is not None:
+                moved.recompute[node] = bool(recompute)
+            return self.evaluate(moved, timeline=timeline)
         if plan is None:
             if self._last is None:
                 raise ValueError("delta() needs a plan: nothing has been evaluated yet")
@@ -343,7 +360,7 @@ class CompiledSimulator:
         """A Plan with the decisions of ``pa`` and the global settings of ``like``."""
         inv = {v: k for k, v in LAYOUT_CODE.items()}
         return like.copy(groups=[self._groups[i] for i in pa.gid.tolist()], layouts=[inv[c] for c in pa.lay.tolist()],
-                         dp=pa.dp.copy(), recompute=pa.rc.copy())
+                         dp=pa.dp.copy(), recompute=pa.rc.copy(), zero=pa.zero.copy())
 
     def stages(self, pa: PlanArrays) -> tuple[np.ndarray, int]:
         """Plan.stages in arrays: distinct groups in order of first use in topological order."""
@@ -446,8 +463,10 @@ class CompiledSimulator:
             self._pipeline_constraints(pa, stage, p, extra)
         expand = None
         if not latency and tail:
-            grad_syncs = self._gradient_buckets(pa, bb, slope, extra)
-            expand = self._optimizer_updates(pa, grad_syncs, extra)
+            self._zero3_gathers(pa, fb, bb, slope, extra)
+            grad_syncs, gathers = self._gradient_buckets(pa, bb, slope, extra)
+            expand, opt_ids = self._optimizer_updates(pa, grad_syncs, extra)
+            self._parameter_gathers(gathers, opt_ids, extra)
         *step, host, sync = step
         step = extra.append_to(*step)  # (drops the kernel's arrays before scheduling)
         if self.hosted:
@@ -496,18 +515,61 @@ class CompiledSimulator:
         """Task id of each node's backward of the last microbatch."""
         return np.arange(self.n, dtype=np.int64) * m * 2 + (m - 1) * 2 + 1
 
-    def _gradient_buckets(self, pa: PlanArrays, bb, slope, extra: _ExtraTasks) -> tuple[np.ndarray, np.ndarray]:
-        """Data-parallel gradient all-reduce, bucketed in backward order, per (group, dp, split); each
-        bucket after its nodes' last backward. Returns (bucket task, device) pairs for the optimizer."""
+    def _zero3_gathers(self, pa: PlanArrays, fb, bb, slope, extra: _ExtraTasks) -> None:
+        """ZeRO-3 weight all-gathers before every forward and backward, prefetched one node ahead
+        (the reference's ``_zero3_gathers``, in its task order)."""
+        graph, m, nd = self.graph, pa.m, self.nd
+        sel = self.has_params & (pa.zero >= 3) & (pa.dp > 1)
+        if not sel.any():
+            return
+        order = self.topo[sel[self.topo]].tolist()
+        by_group: dict[int, list[int]] = {}
+        for v in order:
+            by_group.setdefault(int(pa.gid[v]), []).append(v)
+        _, _, g_size = self._group_arrays()
+        src, dst = [], []
+        for v in order:
+            g = self._groups[int(pa.gid[v])]
+            dp = int(pa.dp[v])
+            split = (len(g) // dp) if pa.lay[v] in (L_COL, L_ROW) else 1
+            t = self.comm.collective("all_gather", dp_groups(g, dp)[0], graph.param_bytes[v] / split)
+            devs = sorted(set(g))
+            host = self.comm.host(tuple(devs), transfer=False)[0]
+            res = [nd + d for d in g] + [2 * nd + d for d in g]
+            nodes = by_group[int(pa.gid[v])]
+            i = nodes.index(v)
+            name = graph.names[v]
+            for k in range(m):
+                f_id, b_id = v * m * 2 + k * 2, v * m * 2 + k * 2 + 1
+                af = extra.add(t, fb[v] + k * slope - 0.5, KIND_COMM, res, devs, f"allgather params {name} mb{k}", host)
+                src.append(af)
+                dst.append(f_id)
+                if i >= 2:
+                    src.append(nodes[i - 2] * m * 2 + k * 2)
+                    dst.append(af)
+                ab = extra.add(t, bb[v] + k * slope - 0.5, KIND_COMM, res, devs,
+                               f"allgather params grad {name} mb{k}", host)
+                src += [f_id, ab]
+                dst += [ab, b_id]
+                if len(nodes) - 1 - i >= 2:
+                    src.append(nodes[i + 2] * m * 2 + k * 2 + 1)
+                    dst.append(ab)
+        extra.deps(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+
+    def _gradient_buckets(self, pa: PlanArrays, bb, slope, extra: _ExtraTasks):
+        """Gradient synchronisation, bucketed in backward order, per (group, dp, split, ZeRO stage,
+        sequence split) (the reference's ``_gradient_buckets``). Returns (bucket task, device) pairs for
+        the optimizer and the ZeRO-1/2 buckets whose weights are gathered after it."""
         graph, nd, m = self.graph, self.nd, pa.m
         g_ptr, g_dev, g_size = self._group_arrays()
-        has_grad = self.has_params & (pa.dp > 1)
+        seq = pa.lay == L_SEQ
+        has_grad = self.has_params & ((pa.dp > 1) | seq)
         if not has_grad.any():
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)), []
         split_tp = (pa.lay == L_COL) | (pa.lay == L_ROW)
         tp = g_size[pa.gid] // pa.dp
         D = int(pa.dp.max()) + 1
-        bcode = (pa.gid * D + pa.dp) * 2 + split_tp
+        bcode = (((pa.gid * D + pa.dp) * 2 + split_tp) * 4 + pa.zero) * 2 + seq
         # keys numbered in order of first appearance in backward order (dict insertion order)
         ob = self.order_bwd
         sel = ob[has_grad[ob]]
@@ -523,39 +585,60 @@ class CompiledSimulator:
         bidx = bucket_of[bucket_of >= 0]
         # task order: by key rank, then bucket creation order within the key
         border = np.lexsort((np.arange(nb), bk))
-        tid_of_bucket = np.empty(nb, dtype=np.int64)
-        tid_of_bucket[border] = extra.next_id + np.arange(nb)
         # last node of each bucket (in backward order) and the first (for the label)
         last_node = np.empty(nb, dtype=np.int64)
         last_node[bidx] = visited  # later writes win: the last visited node
         first_node = np.empty(nb, dtype=np.int64)
         first_node[bidx[::-1]] = visited[::-1]
         nmem = np.bincount(bidx, minlength=nb)
+        members_of = np.argsort(bidx, kind="stable")
+        mem_ptr = np.concatenate([[0], np.cumsum(nmem)])
+        tid_last = np.empty(nb, dtype=np.int64)  # the bucket's task after the last microbatch
+        per_mb: list[tuple[int, int]] = []  # (bucket, first task id) of ZeRO-2/3 buckets: m tasks each
+        sync_ids: list[int] = []
+        sync_devs: list[np.ndarray] = []
+        gathers = []
         for b in border.tolist():
             v0 = int(last_node[b])
             gtuple = self._groups[int(pa.gid[v0])]
-            t = self.comm.collective("all_reduce", dp_groups(gtuple, int(pa.dp[v0]))[0], float(bsize[b]))
+            dp, zero, sq = int(pa.dp[v0]), int(pa.zero[v0]), bool(seq[v0])
+            members = gtuple if sq else dp_groups(gtuple, dp)[0]
+            kind = "reduce_scatter" if zero >= 1 and dp > 1 and not sq else "all_reduce"
+            t = self.comm.collective(kind, members, float(bsize[b]))
             devs = sorted(set(gtuple))
-            extra.add(t, bb[v0] + (m - 1) * slope + 0.5, KIND_COMM,
-                      [nd + d for d in gtuple] + [2 * nd + d for d in gtuple], devs,
-                      (int(first_node[b]), int(nmem[b])), self.comm.host(tuple(devs), transfer=False)[0])
-        extra.deps(self._last_backward(m)[visited], tid_of_bucket[bidx])
-        # the optimizer of each member device waits for every bucket of its groups
-        bgid = pa.gid[last_node]
-        bt_ids = np.repeat(tid_of_bucket, g_size[bgid])
-        bdevs = np.concatenate([g_dev[g_ptr[g]:g_ptr[g + 1]] for g in bgid.tolist()]) if nb else \
-            np.zeros(0, dtype=np.int64)
-        return bt_ids, bdevs
+            host = self.comm.host(tuple(devs), transfer=False)[0]
+            res = [nd + d for d in gtuple] + [2 * nd + d for d in gtuple]
+            label = ("grad reducescatter" if kind == "reduce_scatter" else "grad allreduce", int(first_node[b]),
+                     int(nmem[b]))
+            ks = range(m) if zero >= 2 and not sq else (m - 1,)
+            if len(ks) > 1:
+                per_mb.append((b, extra.next_id))
+            for k in ks:
+                tid = extra.add(t, bb[v0] + k * slope + 0.5, KIND_COMM, res, devs, label, host)
+                sync_ids.append(tid)
+                sync_devs.append(g_dev[g_ptr[pa.gid[v0]]:g_ptr[pa.gid[v0] + 1]])
+            tid_last[b] = tid
+            if zero in (1, 2) and dp > 1 and not sq:
+                gathers.append((gtuple, members, float(bsize[b]), int(first_node[b]), int(nmem[b])))
+        extra.deps(self._last_backward(m)[visited], tid_last[bidx])
+        for b, first in per_mb:  # ZeRO-2/3: the bucket's task of microbatch k after each node's B(v, k)
+            nodes = visited[members_of[mem_ptr[b]:mem_ptr[b + 1]]]
+            ks = np.arange(m - 1, dtype=np.int64)
+            extra.deps((nodes[None, :] * m * 2 + ks[:, None] * 2 + 1).reshape(-1), np.repeat(first + ks, len(nodes)))
+        bt_ids = np.repeat(np.asarray(sync_ids, dtype=np.int64), [len(x) for x in sync_devs])
+        bdevs = np.concatenate(sync_devs).astype(np.int64)
+        return (bt_ids, bdevs), gathers
 
     def _optimizer_updates(self, pa: PlanArrays, grad_syncs, extra: _ExtraTasks):
-        """One optimizer task per device holding parameters (memory-bound pass over its model states),
-        after its gradient all-reduces and its nodes' last backward. Returns the (node, device) pairs."""
+        """One optimizer task per device holding parameters (memory-bound pass over its model states, its
+        shard under ZeRO), after its gradient synchronisation and its nodes' last backward. Returns the
+        (node, device) pairs and each device's optimizer task id (-1: none)."""
         graph, nd, m = self.graph, self.nd, pa.m
         g_ptr, g_dev, g_size = self._group_arrays()
         split_tp = (pa.lay == L_COL) | (pa.lay == L_ROW)
         tp = g_size[pa.gid] // pa.dp
         owner, ndev_of = expand = expand_groups(pa.gid, g_ptr, g_dev)
-        pw = graph.param_bytes / self.pbytes / np.where(split_tp, tp, 1)
+        pw = graph.param_bytes / self.pbytes / np.where(split_tp, tp, 1) / np.where(pa.zero >= 1, pa.dp, 1)
         params_dev = np.bincount(ndev_of, weights=pw[owner], minlength=nd)
         has = np.flatnonzero(params_dev > 0)
         t_opt = optimizer_time(params_dev[has], pa.state_bytes, self.dev_bw[has], self.dev_lo[has])
@@ -566,7 +649,19 @@ class CompiledSimulator:
         extra.deps(bt_ids[ok], opt_ids[bdevs][ok])
         ok = opt_ids[ndev_of] >= 0
         extra.deps(self._last_backward(m)[owner][ok], opt_ids[ndev_of][ok])
-        return expand
+        return expand, opt_ids
+
+    def _parameter_gathers(self, gathers, opt_ids: np.ndarray, extra: _ExtraTasks) -> None:
+        """ZeRO-1/2: the updated weights of each bucket all-gathered after its devices' optimizers."""
+        nd = self.nd
+        for g, members, size, first, count in gathers:
+            t = self.comm.collective("all_gather", members, size)
+            devs = sorted(set(g))
+            tid = extra.add(t, 1e300, KIND_COMM, [nd + d for d in g] + [2 * nd + d for d in g], devs,
+                            f"param allgather {self.graph.names[first]}..({count})",
+                            self.comm.host(tuple(devs), transfer=False)[0])
+            src = np.array([opt_ids[d] for d in g if opt_ids[d] >= 0], dtype=np.int64)
+            extra.deps(src, np.full(len(src), tid, dtype=np.int64))
 
     def _schedule_and_report(self, pa: PlanArrays, step, extra: _ExtraTasks, stage, p, groups: EdgeGroups,
                              expand, want_timeline: bool, host=None) -> StepReport:
@@ -622,17 +717,20 @@ class CompiledSimulator:
                 for f in fm:
                     out.append(f.format(u=nm, k=k))
         for x in extra_labels:
-            if isinstance(x, tuple):
-                out.append(f"grad allreduce {names[x[0]]}..({x[1]})")
+            if isinstance(x, str):
+                out.append(x)
+            elif isinstance(x, tuple):
+                out.append(f"{x[0]} {names[x[1]]}..({x[2]})")
             else:
                 out.append(f"optimizer {self.device_names[x]}")
         return out
 
     # ------------------------------------------------------------------ memory
     def memory(self, pa: PlanArrays, stage: np.ndarray, p: int, expand=None) -> dict[str, np.ndarray]:
-        """Vectorised :func:`envs.sim.cost.memory` (recomputation falls back to the reference loop)."""
+        """Vectorised :func:`envs.sim.cost.memory` (recomputation, ZeRO and sequence parallelism fall back
+        to the reference loop)."""
         objective = "latency" if pa.objective == "latency" else "step_time"
-        if pa.rc.any():
+        if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any():
             plan = pa.plan if pa.plan is not None else self.plan_of(pa, pa.like)
             return memory(self.graph, self.topology, plan, stage, p, objective)
         graph = self.graph
@@ -648,6 +746,9 @@ class CompiledSimulator:
             st = graph.param_bytes / self.pbytes / split * pa.state_bytes
         out = graph.out_bytes * scale / (1 if latency else pa.dp)
         out = out / np.where(pa.lay == L_COL, tp, 1)
+        if not latency and graph.saved_bytes.any():
+            saved = graph.saved_bytes * scale / pa.dp
+            out = out + saved / work_split(pa.lay, tp)
         if latency:
             inflight = np.ones(self.n)
         elif pa.schedule == "gpipe":

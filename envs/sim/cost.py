@@ -25,14 +25,15 @@ from envs.graph import OpGraph
 from envs.plan import DTYPE_BYTES, Plan, layer_ids
 from envs.topology import Topology
 
-# layout states of a tensor: full, a feature shard (tensor-parallel split), partial sums (to be reduced)
-FULL, FSHARD, PARTIAL = 0, 1, 2
+# layout states of a tensor: full, a feature shard (tensor-parallel split), partial sums (to be reduced),
+# a sequence shard (sequence parallelism: each tensor-parallel rank holds 1/tp of the tokens)
+FULL, FSHARD, PARTIAL, SSHARD = 0, 1, 2, 3
 # task kinds of a report's timeline
 KIND_COMPUTE, KIND_COMM, KIND_OPT = 0, 1, 2
 KIND_NAMES = {KIND_COMPUTE: "compute", KIND_COMM: "comm", KIND_OPT: "optimizer"}
 # layouts as integer codes (the compiled builder's arrays)
-LAYOUT_CODE = {"single": 0, "batch_split": 1, "col_split": 2, "row_split": 3, "replicate": 4}
-L_COL, L_ROW = LAYOUT_CODE["col_split"], LAYOUT_CODE["row_split"]
+LAYOUT_CODE = {"single": 0, "batch_split": 1, "col_split": 2, "row_split": 3, "replicate": 4, "seq_split": 5}
+L_COL, L_ROW, L_SEQ = LAYOUT_CODE["col_split"], LAYOUT_CODE["row_split"], LAYOUT_CODE["seq_split"]
 DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25 (PyTorch docs)
 
 
@@ -93,25 +94,36 @@ def is_tensor_split(layout: str) -> bool:
     return layout in ("col_split", "row_split")
 
 
+def work_split(layout_code, tp):
+    """By how much the layout divides a node's work and activations over its tensor-parallel group:
+    column, row and sequence splits by tp, any other layout not (numpy arrays or ints)."""
+    return np.where((layout_code == L_COL) | (layout_code == L_ROW) | (layout_code == L_SEQ), tp, 1)
+
+
 def produced_state(layout_code: int) -> int:
     """The state of a node's output: a column-split node leaves a feature shard on each member, a
-    row-split node partial sums (Megatron-LM, Shoeybi et al. 2019); any other layout the full tensor.
-    Plain Python on integer codes, so that the compiled builder compiles this same function."""
+    row-split node partial sums (Megatron-LM, Shoeybi et al. 2019), a sequence-split node a sequence
+    shard (Korthikanti et al. 2022); any other layout the full tensor. Plain Python on integer codes,
+    so that the compiled builder compiles this same function."""
     if layout_code == L_COL:
         return FSHARD
     if layout_code == L_ROW:
         return PARTIAL
+    if layout_code == L_SEQ:
+        return SSHARD
     return FULL
 
 
 def required_state(layout_code: int, has_params: bool, is_embedding: bool) -> int:
     """The state a node needs of each input: a column-split linear the full input, a column-split
     parameter-free op its feature shard; a row-split linear its feature shard, a row-split embedding
-    the full token ids; any other layout the full tensor."""
+    the full token ids; a sequence-split node its sequence shard; any other layout the full tensor."""
     if layout_code == L_COL:
         return FULL if has_params else FSHARD
     if layout_code == L_ROW:
         return FULL if is_embedding else FSHARD
+    if layout_code == L_SEQ:
+        return SSHARD
     return FULL
 
 
@@ -298,7 +310,7 @@ def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, lat
     dp = np.asarray(plan.dp, dtype=np.int64)
     tp = np.array([len(g) for g in plan.groups], dtype=np.int64) // dp
     layout = np.array([LAYOUT_CODE[x] for x in plan.layouts], dtype=np.int64)
-    split = np.where((layout == L_COL) | (layout == L_ROW), tp, 1)
+    split = work_split(layout, tp)
     present = None
     if len(specs) > 1:
         present = np.zeros((n, len(specs)), dtype=bool)
@@ -309,20 +321,53 @@ def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, lat
     return finish_op_times(t, np.asarray(plan.recompute, dtype=bool), dp, latency)
 
 
+def model_state_bytes(params: float, state_bytes_per_param: float, param_bytes: float, zero: int, dp: int) -> float:
+    """Model-state bytes on one replica of ``params`` parameters: weights and gradients (``param_bytes``
+    each) plus the optimizer states (the rest of ``state_bytes_per_param``), ZeRO stage ``zero`` sharding
+    the optimizer states (1), also the gradients (2), also the weights (3) over the ``dp`` replicas:
+    16P, 4P + 12P/N, 2P + 14P/N, 16P/N for mixed-precision Adam (Rajbhandari et al., SC'20, Fig. 1)."""
+    if zero <= 0 or dp <= 1:
+        return params * state_bytes_per_param
+    opt = max(state_bytes_per_param - 2 * param_bytes, 0.0)
+    w, g = param_bytes, param_bytes
+    if zero == 1:
+        return params * (w + g + opt / dp)
+    if zero == 2:
+        return params * (w + (g + opt) / dp)
+    return params * (w + g + opt) / dp
+
+
+def interleaved_in_flight(p: int, v: int, rank: int, chunk: int, m: int) -> int:
+    """Microbatches of local model chunk ``chunk`` (of ``v``) whose activations pipeline rank ``rank``
+    (of ``p``) holds at its peak under interleaved 1F1B: the warm-up forwards, (p - rank - 1) x 2 +
+    (v - 1) x p, and one more, visiting the chunks p microbatches at a time (Megatron-LM's interleaved
+    schedule; Narayanan et al., SC'21, Sec. 2.2); with v = 1 it is min(m, p - rank)."""
+    if v <= 1:
+        return min(m, p - rank)
+    total = min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
+    full, rest = divmod(total, p * v)
+    return full * p + min(max(rest - chunk * p, 0), p)
+
+
 def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, num_stages: int,
            objective: str = "step_time") -> dict[str, np.ndarray]:
     """Peak bytes per device: model states + stashed activations of in-flight microbatches + the
     transient activations of one recomputed microbatch + with several microbatches the largest weight
     gradient of one node (autograd's AccumulateGrad allocates a microbatch's gradient before adding
-    it to the accumulated one; measured on CPU runs, experiments/memory_fidelity.py).
+    it to the accumulated one; measured on CPU runs, experiments/memory_fidelity.py) + under ZeRO-3 the
+    gathered weights of two nodes (the one computing and the one prefetched).
 
-    Model states: params x ``state_bytes_per_param`` (ZeRO, Rajbhandari et al. SC'20). In flight:
-    GPipe all m microbatches, 1F1B at most p - s on stage s (Narayanan et al., SC'21, Sec. 2.2)."""
+    Model states: :func:`model_state_bytes` (ZeRO, Rajbhandari et al. SC'20). Stashed: a node's output
+    and what it saves for its backward (``OpGraph.saved_bytes``), divided over a column, row (saved
+    part) or sequence split (Korthikanti et al. 2022, Table 2). In flight: GPipe all m microbatches,
+    1F1B at most p - s on stage s (Narayanan et al., SC'21, Sec. 2.2), interleaved 1F1B
+    :func:`interleaved_in_flight`."""
     nd = topology.num_devices
     states = np.zeros(nd)
     acts = np.zeros(nd)
     transient = np.zeros(nd)
     accumulate = np.zeros(nd)
+    gathered = np.zeros((nd, 2))
     pbytes = DTYPE_BYTES.get(graph.dtype, 2)
     m = plan.microbatches
     scale = 1.0 / graph.batch_size if objective == "latency" else plan.microbatch_size(graph) / graph.batch_size
@@ -331,6 +376,27 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     region = [(plan.groups[v], int(lid[v]) if lid[v] >= 0 else -1 - v) for v in range(graph.num_nodes)]
     region_bytes: dict[tuple, float] = {}
     counted: set = set()
+    V = int(plan.virtual_stages)
+    chunk = plan.chunks(graph)[0] // num_stages if V > 1 else None
+    # a row split's partial sums reach a sequence-split consumer reduce-scattered: what is kept is the shard
+    scattered = np.zeros(graph.num_nodes, dtype=bool)
+    if "seq_split" in plan.layouts:
+        for e in range(graph.num_edges):
+            u, w = int(graph.edge_src[e]), int(graph.edge_dst[e])
+            if plan.layouts[u] == "row_split" and plan.layouts[w] == "seq_split" and plan.groups[u] == plan.groups[w]:
+                scattered[u] = True
+
+    def stash_of(u: int, dp_u: int) -> float:
+        """Bytes node u keeps for the backward per microbatch (its output and what it saves)."""
+        tpu = len(plan.groups[u]) // int(plan.dp[u])
+        lay = plan.layouts[u]
+        out = graph.out_bytes[u] * scale / dp_u
+        out /= tpu if lay in ("col_split", "seq_split") or scattered[u] else 1
+        if graph.saved_bytes[u] > 0:
+            saved = graph.saved_bytes[u] * scale / dp_u
+            out += saved / (tpu if lay in ("col_split", "row_split", "seq_split") else 1)
+        return out
+
     for v in range(graph.num_nodes):
         g = plan.groups[v]
         lay = plan.layouts[v]
@@ -342,14 +408,18 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
             # inference keeps weights only; imported workloads state their memory as bytes per node
             st = graph.param_bytes[v] / split
         else:
-            st = params * plan.state_bytes_per_param
-        out = graph.out_bytes[v] * scale / (1 if objective == "latency" else dp)
-        out /= tp if lay == "col_split" else 1
+            st = model_state_bytes(params, plan.state_bytes_per_param, pbytes, int(plan.zero[v]), dp)
         if objective == "latency":
-            inflight = 1
-            stash = out
+            inflight = 1  # inference keeps no activations for a backward: only the outputs
+            stash = graph.out_bytes[v] * scale / 1
+            stash /= tp if lay in ("col_split", "seq_split") else 1
         else:
-            inflight = m if plan.schedule == "gpipe" else min(m, num_stages - int(stage[v]))
+            if plan.schedule == "gpipe":
+                inflight = m
+            elif V > 1:
+                inflight = interleaved_in_flight(num_stages, V, int(stage[v]), int(chunk[v]), m)
+            else:
+                inflight = min(m, num_stages - int(stage[v]))
             if plan.recompute[v]:
                 # checkpoint: keep the inputs that come from outside this recomputed region (one layer on
                 # one device group), unless their producer stashes them already
@@ -358,22 +428,30 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
                     if region[p] != region[v] and (plan.recompute[p] or plan.groups[p] != g) \
                             and (p, region[v]) not in counted:
                         counted.add((p, region[v]))
-                        stash += graph.out_bytes[p] * scale / dp / (tp if plan.layouts[p] == "col_split" else 1)
-                region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + out
+                        stash += graph.out_bytes[p] * scale / dp / (tp if plan.layouts[p] in ("col_split", "seq_split")
+                                                                    else 1)
+                region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + stash_of(v, dp)
             else:
-                stash = out
+                stash = stash_of(v, dp)
         grad = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
+        full_w = graph.param_bytes[v] / split if plan.zero[v] >= 3 and dp > 1 and objective != "latency" else 0.0
         for d in g:
             states[d] += st
             acts[d] += stash * inflight
             accumulate[d] = max(accumulate[d], grad)
+            if full_w > gathered[d, 1]:
+                gathered[d] = (full_w, gathered[d, 0]) if full_w > gathered[d, 0] else (gathered[d, 0], full_w)
     # during the backward of a recomputed region, its activations for one microbatch are live again
     for key, b in region_bytes.items():
         for d in key[0]:
             transient[d] = max(transient[d], b)
     caps = np.array([d.memory_bytes for d in topology.devices])
-    return {"model_states": states, "activations": acts, "recompute_transient": transient,
-            "accumulation_transient": accumulate, "total": states + acts + transient + accumulate, "capacity": caps}
+    out = {"model_states": states, "activations": acts, "recompute_transient": transient,
+           "accumulation_transient": accumulate, "total": states + acts + transient + accumulate, "capacity": caps}
+    if (plan.zero >= 3).any() and objective != "latency":
+        out["zero3_gathered"] = gathered.sum(axis=1)
+        out["total"] = out["total"] + out["zero3_gathered"]
+    return out
 
 
 def optimizer_time(params: float, state_bytes_per_param: float, bandwidth: float, launch_overhead: float) -> float:
@@ -458,7 +536,7 @@ def redistribution(gu, dpu, gv, dpv, req, nbytes):
                 src = gu[ru * tpu + (t % tpu)]
                 if src == c:
                     continue
-                b = (hi - lo) * nbytes / (tpv if req == FSHARD else 1)
+                b = (hi - lo) * nbytes / (tpv if req == FSHARD or req == SSHARD else 1)
                 out.append((src, c, b, t))
     return out
 
@@ -486,7 +564,7 @@ class Crossing(NamedTuple):
 
 def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, gv: tuple[int, ...], dpv: int,
                     req: int, col_weighted: bool, nbytes: float, edge_time: float | None, latency: bool,
-                    scale: float, replay: bool = False) -> Crossing:
+                    scale: float, replay: bool = False, blocking_transfers: bool = True) -> Crossing:
     """The collectives and transfers that carry a tensor of ``nbytes`` (one microbatch) from a producer
     on group ``gu`` (``dpu`` replicas, output state ``have``) to consumers on ``gv`` (``dpv`` replicas,
     input state ``req``), and its gradient back (not for ``latency``).
@@ -503,12 +581,15 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
     (the producer is recomputed): the collectives of a same-group crossing run again in the backward
     pass, before the gradient's, because recomputing the forward re-issues them (Megatron-LM's full
     recomputation re-runs a layer's forward, its tensor-parallel all-reduces included; Korthikanti et al.
-    2022, Sec. 5)."""
+    2022, Sec. 5). ``blocking_transfers=False``: point-to-point transfers do not hold their hosts
+    (Megatron-LM's interleaved schedule overlaps its sends and receives with compute,
+    ``--overlap-p2p-communication``)."""
     tasks: list[CommTask] = []
 
     def add(dur, backward, devices, label, ports) -> int:
         devs = tuple(sorted(set(devices)))
         host, sync = comm.host(devs, transfer=len(ports[0]) == 1 and len(ports[1]) == 1 and ports[0] != ports[1])
+        sync = sync and blocking_transfers
         tasks.append(CommTask(float(dur), bool(backward), devs, ports, label, host, sync))
         return len(tasks) - 1
 
@@ -519,21 +600,28 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
     bwd: list[list[int]] = []
     tpu, tpv = len(gu) // dpu, len(gv) // dpv
     S = nbytes
+    shard = req == FSHARD or req == SSHARD
     if gu == gv and dpu == dpv:
         if have == PARTIAL and req == FULL:
             fwd.append(collective("all_reduce", gu, dpu, S / dpu, False, "allreduce {u} mb{k}"))
-        elif have == PARTIAL and req == FSHARD:
+        elif have == PARTIAL and shard:
+            # to a feature shard, or (sequence parallelism) to a sequence shard: Korthikanti et al.
+            # 2022, Sec. 4.2.2, the all-reduce becomes a reduce-scatter, its gradient an all-gather
             fwd.append(collective("reduce_scatter", gu, dpu, S / dpu, False, "reducescatter {u} mb{k}"))
             if not latency:
                 bwd.append(collective("all_gather", gu, dpu, S / dpu, True, "allgather grad {u} mb{k}"))
         elif have == FSHARD and req == FULL:
             fwd.append(collective("all_gather", gu, dpu, S / dpu, False, "allgather {u} mb{k}"))
-        elif have == FULL and req == FSHARD and not latency and tpu > 1:
+        elif (have == SSHARD and req != SSHARD) or (have == FSHARD and req == SSHARD):
+            # a sequence shard gathered (into a column split: sequence parallelism's all-gather in place
+            # of Megatron's "f"); between a feature and a sequence shard the gather bounds the all-to-all
+            fwd.append(collective("all_gather", gu, dpu, S / dpu, False, "allgather {u} mb{k}"))
+        elif have == FULL and shard and not latency and tpu > 1:
             bwd.append(collective("all_gather", gu, dpu, S / dpu, True, "allgather grad {u} mb{k}"))
     else:
         if have == PARTIAL:
             fwd.append(collective("all_reduce", gu, dpu, S / dpu, False, "allreduce {u} mb{k}"))
-        elif have == FSHARD and tpu > 1:
+        elif (have == FSHARD or have == SSHARD) and tpu > 1:
             fwd.append(collective("all_gather", gu, dpu, S / dpu, False, "allgather {u} mb{k}"))
         moves = redistribution(gu, dpu, gv, dpv, req, S)
         if moves:
@@ -544,14 +632,18 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
                 else:
                     t = comm.p2p(a, b, nb)
                 step.append(add(t, False, (a, b), f"send {{u}} {a}->{b} mb{{k}}", ((a,), (b,))))
-                if not latency and (req == FSHARD or trank == 0):
+                if not latency and (shard or trank == 0):
                     back.append(add(t, True, (a, b), f"send grad {{u}} {b}->{a} mb{{k}}", ((b,), (a,))))
             fwd.append(step)
             if back:
                 bwd.append(back)
     if col_weighted and not latency and tpv > 1:
-        # Megatron's "f": the input gradient of a column-split linear is a partial sum
-        bwd.insert(0, collective("all_reduce", gv, dpv, S / dpv, True, "allreduce grad {u} mb{k}"))
+        # Megatron's "f": the input gradient of a column-split linear is a partial sum, all-reduced;
+        # reduce-scattered back to sequence shards under sequence parallelism (Korthikanti et al. 2022)
+        if have == SSHARD and gu == gv and dpu == dpv:
+            bwd.insert(0, collective("reduce_scatter", gv, dpv, S / dpv, True, "reducescatter grad {u} mb{k}"))
+        else:
+            bwd.insert(0, collective("all_reduce", gv, dpv, S / dpv, True, "allreduce grad {u} mb{k}"))
     if replay and not latency and gu == gv and dpu == dpv and fwd:
         again = [[add(tasks[j].duration, True, tasks[j].devices, "re-" + tasks[j].label, tasks[j].ports)
                   for j in step] for step in fwd]

@@ -281,7 +281,7 @@ def _edge_codes(u, v, gid, dp, lay, has_params, is_emb, G, D):
         c = 1 if _column_weighted(lay[w], has_params[w]) else 0
         req[e] = r
         colw[e] = c
-        code[e] = (((u[e] * G + gid[w]) * D + dp[w]) * 3 + r) * 2 + c
+        code[e] = (((u[e] * G + gid[w]) * D + dp[w]) * 4 + r) * 2 + c
     return req, colw, code
 
 

@@ -10,10 +10,23 @@
 3. edge-group communication: the transfers and re-layout collectives between a producer's and its
    consumers' layouts (:func:`envs.sim.cost.layout_crossing`), each gradient flowing back along the
    mirrored transfer;
-4. gradient buckets: data-parallel gradient all-reduce in 25 MB buckets (PyTorch DDP's default
+4. ZeRO-3 parameter all-gathers: before each forward and each backward of a node whose weights are
+   sharded, prefetched one node ahead (FSDP's and DeepSpeed's prefetch: the gather of a node may start
+   when the node two before it has finished);
+5. gradient buckets: data-parallel gradient all-reduce in 25 MB buckets (PyTorch DDP's default
    ``bucket_cap_mb``), each starting when its last gradient is ready, so it overlaps the backward;
-5. the optimizer update per device after its gradients are synchronised;
-6. the list schedule on device resources, and the report.
+   a reduce-scatter instead under ZeRO (stage 1 once per step, like Megatron-LM's distributed
+   optimizer; stages 2-3 after every microbatch, the gradients being sharded); sequence-parallel
+   weights (LayerNorm) all-reduced over the whole tensor x data group;
+6. the optimizer update per device after its gradients are synchronised (over its shard under ZeRO);
+   under ZeRO-1/2 the updated weights all-gathered after it, per bucket (ZeRO's 2x all-reduce volume
+   in total: reduce-scatter + all-gather; Rajbhandari et al., SC'20, Sec. 7);
+7. the list schedule on device resources, and the report.
+
+Interleaved 1F1B (``virtual_stages`` v > 1): each device runs its v model chunks p microbatches at a
+time; priorities follow each device's sequence of chunk-microbatches, and the forward of the j-th
+chunk-microbatch waits for the backward of the (j - w)-th with w = (p - s - 1) x 2 + (v - 1) x p + 1
+(Megatron-LM's warm-up; Narayanan et al., SC'21, Sec. 2.2).
 
 Link contention: every device has one send port and one receive port, each exclusive (a transfer
 holds the sender's send port and the receiver's receive port; a collective holds both ports of every
@@ -64,8 +77,10 @@ def simulate_reference(graph: OpGraph, topology: Topology, plan: Plan, objective
         _pipeline_constraints(step, tasks, F, B)
     _edge_group_communication(step, tasks, F, B)
     if not step.latency:
-        grad_syncs = _gradient_buckets(step, tasks, B)
-        _optimizer_updates(step, tasks, B, grad_syncs)
+        _zero3_gathers(step, tasks, F, B)
+        grad_syncs, gathers = _gradient_buckets(step, tasks, B)
+        optimizers = _optimizer_updates(step, tasks, B, grad_syncs)
+        _parameter_gathers(step, tasks, gathers, optimizers)
     return _schedule_and_report(step, tasks, timeline)
 
 
@@ -86,13 +101,24 @@ class _Step:
         self.comm = CommTimes(topology)
         self.gpipe = plan.schedule == "gpipe"
         self._N = float(n + 1)
+        self.V = 1 if latency else int(plan.virtual_stages)
+        self.local_chunk = plan.chunks(graph)[0] // self.p if self.V > 1 else None
+
+    def seq(self, v: int, k: int, backward: bool) -> int:
+        """Position of node v's chunk-microbatch k in its device's forward (backward) sequence under
+        interleaving: p microbatches of chunk 0, of chunk 1, ... (backward: the last chunk first)."""
+        p, V, c = self.p, self.V, int(self.local_chunk[v])
+        return (k // p) * p * V + ((V - 1 - c) if backward else c) * p + k % p
 
     def prio(self, v: int, k: int, backward: bool) -> float:
         """Priority of node v's forward / backward of microbatch k: GPipe all forwards (microbatch-major,
-        topological order) then all backwards; 1F1B microbatch-major, backward before forward."""
+        topological order) then all backwards; 1F1B microbatch-major, backward before forward; interleaved
+        1F1B by the device's chunk-microbatch sequence (:meth:`seq`)."""
         N, m, pos = self._N, self.m, self.topo_pos[v]
         if self.gpipe:
             return (m * N + k * N + (N - 1 - pos)) if backward else (k * N + pos)
+        if self.V > 1:
+            k = self.seq(v, k, backward)
         return k * 2 * N + ((N - 1 - pos) if backward else (N + pos))
 
 
@@ -166,6 +192,9 @@ def _pipeline_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray)
     m = s.m
     if m <= 1:
         return
+    if s.V > 1:
+        _interleaved_constraints(s, T, F, B)
+        return
     for v in range(s.n):
         if s.gpipe:
             for k in range(m):
@@ -174,6 +203,29 @@ def _pipeline_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray)
             w = s.p - int(s.stage[v])
             for k in range(w, m):
                 T.dep(B[v, k - w], F[v, k])
+
+
+def _interleaved_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray) -> None:
+    """Interleaved 1F1B: on pipeline rank r the forward of its j-th chunk-microbatch waits for the
+    backward of its (j - w)-th, w = (p - r - 1) x 2 + (v - 1) x p + 1; a backward of the same chunk
+    is the node's own, of another chunk that chunk's first node's (its backward's end)."""
+    p, V, m = s.p, s.V, s.m
+    chunk = s.plan.chunks(s.graph)[0]
+    first_of: dict[int, int] = {}
+    for v in s.graph.topological_order().tolist():
+        first_of.setdefault(int(chunk[v]), v)
+    for v in range(s.n):
+        r = int(s.stage[v])
+        w = (p - r - 1) * 2 + (V - 1) * p + 1
+        for k in range(m):
+            j = s.seq(v, k, False) - w
+            if j < 0:
+                continue
+            blk, rest = divmod(j, p * V)
+            c_local, kk = V - 1 - rest // p, blk * p + rest % p
+            c = c_local * p + r
+            u = v if c == int(chunk[v]) else first_of[c]
+            T.dep(B[u, kk], F[v, k])
 
 
 def _edge_groups(graph: OpGraph, plan: Plan) -> dict[tuple, list[tuple[int, int]]]:
@@ -199,7 +251,7 @@ def _edge_group_communication(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndar
         edge_time = float(graph.edge_time[e0]) if graph.edge_time is not None else None
         crossing = layout_crossing(s.comm, plan.groups[u], int(plan.dp[u]), produced_state(LAYOUT_CODE[plan.layouts[u]]),
                                    gv, int(dpv), req, col_weighted, S, edge_time, s.latency, s.scale,
-                                   bool(plan.recompute[u]))
+                                   bool(plan.recompute[u]), blocking_transfers=s.V == 1)
         consumers = [v for _, v in members]
         name = graph.names[u]
         for k in range(s.m):
@@ -228,36 +280,81 @@ def _ddp_buckets(nodes: list[int], nbytes: list[float]):
         yield bucket, size
 
 
-def _gradient_buckets(s: _Step, T: _TaskGraph, B: np.ndarray) -> dict[int, list[int]]:
-    """Data-parallel gradient all-reduce, bucketed in backward order per replica set (group, dp,
-    tensor split); each bucket after the last-microbatch backward of its nodes. Returns each device's
-    all-reduce tasks."""
+def _zero3_gathers(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray) -> None:
+    """ZeRO-3: the weights of a sharded node are all-gathered over its data-parallel group before its
+    forward and again before its backward of every microbatch (3x the parameters' volume per step with
+    the gradients' reduce-scatter, 1.5x data parallelism's; Rajbhandari et al., SC'20, Sec. 7), prefetched
+    one node ahead: the gather waits for the compute of the sharded node two before it on the group."""
+    graph, plan = s.graph, s.plan
+    order = [int(v) for v in graph.topological_order()
+             if plan.zero[v] >= 3 and plan.dp[v] > 1 and graph.param_bytes[v] > 0]
+    if not order:
+        return
+    by_group: dict[tuple, list[int]] = {}
+    for v in order:
+        by_group.setdefault(plan.groups[v], []).append(v)
+    for v in order:
+        g, dp = plan.groups[v], int(plan.dp[v])
+        split = (len(g) // dp) if is_tensor_split(plan.layouts[v]) else 1
+        t = s.comm.collective("all_gather", dp_groups(g, dp)[0], graph.param_bytes[v] / split)
+        host, _ = s.comm.host(tuple(sorted(set(g))), transfer=False)
+        nodes = by_group[g]
+        i = nodes.index(v)
+        name = graph.names[v]
+        for k in range(s.m):
+            af = T.add(t, s.prio(v, k, False) - 0.5, g, KIND_COMM, f"allgather params {name} mb{k}", (g, g), host)
+            T.dep(af, int(F[v, k]))
+            if i >= 2:
+                T.dep(int(F[nodes[i - 2], k]), af)
+            ab = T.add(t, s.prio(v, k, True) - 0.5, g, KIND_COMM, f"allgather params grad {name} mb{k}", (g, g), host)
+            T.dep(int(F[v, k]), ab)
+            T.dep(ab, int(B[v, k]))
+            if len(nodes) - 1 - i >= 2:
+                T.dep(int(B[nodes[i + 2], k]), ab)
+
+
+def _gradient_buckets(s: _Step, T: _TaskGraph, B: np.ndarray) -> tuple[dict[int, list[int]], list]:
+    """Data-parallel gradient synchronisation, bucketed in backward order per replica set (group, dp,
+    tensor split, ZeRO stage, sequence split): an all-reduce (ZeRO 0) or a reduce-scatter (ZeRO >= 1)
+    over the data-parallel group (the whole group for sequence-split weights), after the last-microbatch
+    backward of its nodes (ZeRO 2-3: one per microbatch, after that microbatch's backward). Returns each
+    device's synchronisation tasks and the ZeRO-1/2 buckets whose weights are all-gathered after the
+    optimizer: (group, dp group, bytes, first node, size)."""
     graph, plan, m = s.graph, s.plan, s.m
     replica_sets: dict[tuple, list[int]] = {}
     for v in np.argsort(-s.topo_pos, kind="stable"):
         v = int(v)
-        if graph.param_bytes[v] > 0 and plan.dp[v] > 1:
-            key = (plan.groups[v], int(plan.dp[v]), is_tensor_split(plan.layouts[v]))
+        seq = plan.layouts[v] == "seq_split"
+        if graph.param_bytes[v] > 0 and (plan.dp[v] > 1 or seq):
+            key = (plan.groups[v], int(plan.dp[v]), is_tensor_split(plan.layouts[v]), int(plan.zero[v]), seq)
             replica_sets.setdefault(key, []).append(v)
     syncs: dict[int, list[int]] = {d: [] for d in range(s.nd)}
-    for (g, dp, split), nodes in replica_sets.items():
+    gathers: list = []
+    for (g, dp, split, zero, seq), nodes in replica_sets.items():
         tp = len(g) // dp
         grads = [graph.param_bytes[v] / (tp if split else 1) for v in nodes]
+        members = g if seq else dp_groups(g, dp)[0]
+        kind = "reduce_scatter" if zero >= 1 and dp > 1 and not seq else "all_reduce"
+        what = "grad reducescatter" if kind == "reduce_scatter" else "grad allreduce"
         for bucket, size in _ddp_buckets(nodes, grads):
-            t = s.comm.collective("all_reduce", dp_groups(g, dp)[0], size)
+            t = s.comm.collective(kind, members, size)
             host, _ = s.comm.host(tuple(sorted(set(g))), transfer=False)
-            tid = T.add(t, s.prio(bucket[-1], m - 1, True) + 0.5, g, KIND_COMM,
-                        f"grad allreduce {graph.names[bucket[0]]}..({len(bucket)})", (g, g), host)
-            for v in bucket:
-                T.dep(int(B[v, m - 1]), tid)
-            for d in g:
-                syncs[d].append(tid)
-    return syncs
+            label = f"{what} {graph.names[bucket[0]]}..({len(bucket)})"
+            for k in (range(m) if zero >= 2 and not seq else (m - 1,)):
+                tid = T.add(t, s.prio(bucket[-1], k, True) + 0.5, g, KIND_COMM, label, (g, g), host)
+                for v in bucket:
+                    T.dep(int(B[v, k]), tid)
+                for d in g:
+                    syncs[d].append(tid)
+            if zero in (1, 2) and dp > 1 and not seq:
+                gathers.append((g, members, size, bucket[0], len(bucket)))
+    return syncs, gathers
 
 
-def _optimizer_updates(s: _Step, T: _TaskGraph, B: np.ndarray, grad_syncs: dict[int, list[int]]) -> None:
-    """One optimizer task per device holding parameters (a memory-bound pass over its model states),
-    after its gradient all-reduces and the last backward of each of its nodes."""
+def _optimizer_updates(s: _Step, T: _TaskGraph, B: np.ndarray, grad_syncs: dict[int, list[int]]) -> dict[int, int]:
+    """One optimizer task per device holding parameters (a memory-bound pass over its model states, its
+    1/dp shard of them under ZeRO), after its gradient synchronisation and the last backward of each of
+    its nodes. Returns each device's optimizer task."""
     graph, plan, topology, nd, m = s.graph, s.plan, s.topology, s.nd, s.m
     pbytes = DTYPE_BYTES.get(graph.dtype, 2)
     params_dev = np.zeros(nd)
@@ -265,20 +362,36 @@ def _optimizer_updates(s: _Step, T: _TaskGraph, B: np.ndarray, grad_syncs: dict[
         g, lay = plan.groups[v], plan.layouts[v]
         dp = int(plan.dp[v])
         split = (len(g) // dp) if is_tensor_split(lay) else 1
+        shard = dp if plan.zero[v] >= 1 else 1
         for d in g:
-            params_dev[d] += graph.param_bytes[v] / pbytes / split
+            params_dev[d] += graph.param_bytes[v] / pbytes / split / shard
     last_b: dict[int, list[int]] = {d: [] for d in range(nd)}
     for v in range(s.n):
         for d in plan.groups[v]:
             last_b[d].append(int(B[v, m - 1]))
+    out: dict[int, int] = {}
     for d in range(nd):
         if params_dev[d] <= 0:
             continue
         dev = topology.devices[d]
         t = optimizer_time(params_dev[d], plan.state_bytes_per_param, dev.bandwidth(), dev.launch_overhead)
         tid = T.add(t, 1e300, (d,), KIND_OPT, f"optimizer {dev.name}")
+        out[d] = tid
         for a in grad_syncs[d] + last_b[d]:
             T.dep(a, tid)
+    return out
+
+
+def _parameter_gathers(s: _Step, T: _TaskGraph, gathers: list, optimizers: dict[int, int]) -> None:
+    """ZeRO-1/2: each bucket's updated weight shards all-gathered over its data-parallel group after
+    the optimizers of the group's devices (Megatron-LM's distributed optimizer)."""
+    for g, members, size, first, count in gathers:
+        t = s.comm.collective("all_gather", members, size)
+        host, _ = s.comm.host(tuple(sorted(set(g))), transfer=False)
+        tid = T.add(t, 1e300, g, KIND_COMM, f"param allgather {s.graph.names[first]}..({count})", (g, g), host)
+        for d in g:
+            if d in optimizers:
+                T.dep(optimizers[d], tid)
 
 
 def _csr(lists: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -50,6 +50,10 @@ def stage_structure(graph: OpGraph, plan: Plan, objective: str = "step_time") ->
     """The plan's stage chain, or a string saying why the stage model does not apply."""
     if objective != "step_time":
         return "objective is not step_time"
+    if (plan.zero >= 2).any():
+        return "ZeRO-2/3 synchronise gradients after every microbatch (the stage model has one tail per step)"
+    if plan.virtual_stages > 1:
+        return "interleaved pipeline (virtual stages): its chunks do not form a chain of stages"
     stage, p = plan.stages(graph)
     groups: list[tuple[int, ...] | None] = [None] * p
     for v in range(graph.num_nodes):
@@ -108,7 +112,7 @@ def _subgraph(graph: OpGraph, keep: np.ndarray) -> OpGraph:
         names=[graph.names[i] for i in keep], kinds=[graph.kinds[i] for i in keep],
         module_paths=[graph.module_paths[i] for i in keep], fwd_flops=graph.fwd_flops[keep],
         bwd_flops=graph.bwd_flops[keep], param_bytes=graph.param_bytes[keep], out_bytes=graph.out_bytes[keep],
-        mem_bytes=graph.mem_bytes[keep], layout_caps=graph.layout_caps[keep], n_ops=graph.n_ops[keep],
+        mem_bytes=graph.mem_bytes[keep], saved_bytes=graph.saved_bytes[keep], layout_caps=graph.layout_caps[keep], n_ops=graph.n_ops[keep],
         measured={k: {"fwd": v["fwd"][keep], "bwd": v["bwd"][keep]} for k, v in graph.measured.items()},
         edge_src=pos[graph.edge_src[es]], edge_dst=pos[graph.edge_dst[es]], edge_bytes=graph.edge_bytes[es],
         edge_time=None if graph.edge_time is None else graph.edge_time[es], batch_size=graph.batch_size,
@@ -147,7 +151,8 @@ def _stage_blocks(graph: OpGraph, topology: Topology, plan: Plan, ss: StageStruc
         bl.last_pos[s] = tpos[keep].max()
         sub = _subgraph(graph, keep)
         sp = plan.copy(groups=[plan.groups[i] for i in keep], layouts=[plan.layouts[i] for i in keep],
-                       dp=plan.dp[keep], recompute=plan.recompute[keep], microbatches=1, global_batch=mb)
+                       dp=plan.dp[keep], recompute=plan.recompute[keep], zero=plan.zero[keep], microbatches=1,
+                       global_batch=mb, virtual_stages=1)
         sim = CompiledSimulator(sub, topology, comm=full.comm)  # sharing the collective-time cache
         r0 = sim.evaluate(sp, "step_time", timeline=True, tail=False)
         n_s = len(keep)

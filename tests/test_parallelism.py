@@ -1,0 +1,221 @@
+"""ZeRO, sequence parallelism, selective recomputation and interleaving: closed forms, the plan format,
+bad combinations, reference == compiled, and the Megatron sweep finding them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from agent.placers import run_placer
+from agent.placers.common import Budget
+from envs.errors import PlanError
+from envs.examples import transformer_graph
+from envs.plan import Plan, attention_core, megatron_plan, recompute_flags
+from envs.presets import preset
+from envs.sim import simulate
+from envs.sim.cost import interleaved_in_flight, model_state_bytes
+from envs.sim.reference import simulate_reference
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return transformer_graph(layers=4, hidden=512, heads=8, seq=256, vocab=2000, batch=16)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return preset("a100-80g-cluster:nodes=2")
+
+
+# ---------------------------------------------------------------------- ZeRO (Rajbhandari et al., SC'20)
+def test_zero_model_states_are_the_papers_formulas():
+    psi, nd = 7.5e9, 64  # the paper's Fig. 1 example, mixed-precision Adam (K = 12)
+    got = [model_state_bytes(psi, 16.0, 2.0, z, nd) / 1e9 for z in (0, 1, 2, 3)]
+    assert got == pytest.approx([120.0, 31.40625, 16.640625, 1.875])
+    assert model_state_bytes(psi, 16.0, 2.0, 3, 1) == psi * 16  # nothing to shard over
+
+
+def test_zero_divides_model_states_over_the_replicas(gpt, cluster):
+    states = {}
+    for z in (0, 1, 2, 3):
+        p = megatron_plan(gpt, cluster, dp=8, microbatch_size=2, global_batch=16, zero=z)
+        states[z] = simulate(gpt, cluster, p).memory_breakdown["model_states"][:8]
+    psi = states[0] / 16.0  # parameters per device (a full replica each)
+    assert np.allclose(states[1], psi * (4 + 12 / 8))
+    assert np.allclose(states[2], psi * (2 + 14 / 8))
+    assert np.allclose(states[3], psi * 16 / 8)
+
+
+def test_zero3_moves_one_and_a_half_times_the_data_parallel_volume():
+    # one big layer, one microbatch: 2 all-gathers + 1 reduce-scatter = 3 psi vs the all-reduce's 2 psi
+    g = transformer_graph(layers=1, hidden=2048, heads=16, seq=128, vocab=1000, batch=8, embeddings=False)
+    topo = preset("pcie-4gpu")
+
+    def comm(z, prefix):
+        p = megatron_plan(g, topo, dp=4, microbatch_size=2, global_batch=8, zero=z)
+        r = simulate(g, topo, p)
+        return sum(row["end"] - row["start"] for row in r.timeline()
+                   if row["device"] == 0 and row["kind"] == "comm" and row["label"].startswith(prefix))
+
+    dp_volume = comm(0, "grad allreduce")
+    zero3 = comm(3, "allgather params") + comm(3, "grad reducescatter")
+    assert zero3 / dp_volume == pytest.approx(1.5, rel=0.05)
+    zero1 = comm(1, "grad reducescatter") + comm(1, "param allgather")
+    assert zero1 / dp_volume == pytest.approx(1.0, rel=0.05)
+
+
+# ---------------------------------------------------------------------- sequence parallelism (Korthikanti et al. 2022)
+def test_sequence_parallel_activations_are_the_unsplit_ones_over_tp():
+    g = transformer_graph(layers=2, hidden=1024, heads=16, seq=512, vocab=1024, batch=4)
+    topo = preset("dgx-a100-80g")
+    one = simulate(g, topo, megatron_plan(g, topo, tp=1, microbatch_size=4, global_batch=4))
+    for tp in (2, 4, 8):
+        sp = simulate(g, topo, megatron_plan(g, topo, tp=tp, microbatch_size=4, global_batch=4,
+                                             sequence_parallel=True))
+        acts = sp.memory_breakdown["activations"][:tp]
+        assert np.allclose(acts, one.memory_breakdown["activations"][0] / tp, rtol=1e-6)
+        plain = simulate(g, topo, megatron_plan(g, topo, tp=tp, microbatch_size=4, global_batch=4))
+        assert (plain.memory_breakdown["activations"][:tp] > acts).all()
+
+
+def test_sequence_parallel_communication_equals_tensor_parallel():
+    g = transformer_graph(layers=2, hidden=1024, heads=16, seq=512, vocab=1024, batch=4)
+    topo = preset("dgx-a100-80g")
+
+    def activation_comm(sp):
+        p = megatron_plan(g, topo, tp=4, microbatch_size=4, global_batch=4, sequence_parallel=sp)
+        rows = simulate(g, topo, p).timeline()
+        return sum(r["end"] - r["start"] for r in rows if r["device"] == 0 and r["kind"] == "comm"
+                   and not r["label"].startswith("grad "))
+
+    assert activation_comm(True) == pytest.approx(activation_comm(False), rel=1e-9)
+
+
+# ---------------------------------------------------------------------- selective recomputation
+def test_selective_recompute_flags_the_attention_core_only(gpt):
+    sel = recompute_flags(gpt, "selective")
+    assert sel.sum() == 4 and all(gpt.kinds[v] == "attention" for v in np.flatnonzero(sel))
+    assert (attention_core(gpt) == sel).all()
+    assert recompute_flags(gpt, "full").all() and not recompute_flags(gpt, "none").any()
+    with pytest.raises(PlanError, match="unknown recomputation"):
+        recompute_flags(gpt, "some")
+
+
+def test_selective_recompute_frees_the_attention_scores_for_a_few_percent():
+    # a 22B-like layer (Korthikanti et al. 2022, Table 4: selective recomputation costs a few percent)
+    g = transformer_graph(layers=1, hidden=6144, heads=64, seq=2048, vocab=1000, batch=1, embeddings=False)
+    topo = preset("dgx-a100-80g")
+    runs = {rc: simulate(g, topo, megatron_plan(g, topo, tp=8, microbatch_size=1, global_batch=1, recompute=rc))
+            for rc in ("none", "selective", "full")}
+    t = {rc: r.value for rc, r in runs.items()}
+    assert 1.005 < t["selective"] / t["none"] < 1.06 < t["full"] / t["none"]
+    att = int(np.flatnonzero(attention_core(g))[0])
+    scores = g.saved_bytes[att] / 8 + g.out_bytes[att] / 8  # head-sharded over tp = 8
+    freed = runs["none"].memory_breakdown["activations"][0] - runs["selective"].memory_breakdown["activations"][0]
+    assert freed == pytest.approx(scores)
+    assert g.saved_bytes[att] == pytest.approx(5 * 64 * 2048**2 * 1)  # 5 a s^2 b bytes
+
+
+# ---------------------------------------------------------------------- interleaving (Narayanan et al. SC'21)
+def test_interleaved_in_flight_microbatches():
+    p, m = 4, 16
+    assert [interleaved_in_flight(p, 1, r, 0, m) for r in range(p)] == [4, 3, 2, 1]
+    # rank 0 with v chunks holds (p(v+1) - 1) chunk-microbatches: 1 + (p-1)/(pv) times the plain stage's
+    for v in (2, 4):
+        held = sum(interleaved_in_flight(p, v, 0, c, m) for c in range(v)) / v
+        assert held / p == pytest.approx(1 + (p - 1) / (p * v))
+
+
+def test_interleaving_shortens_the_pipeline_bubble():
+    g = transformer_graph(layers=16, hidden=1024, heads=16, seq=512, vocab=1000, batch=16, embeddings=False)
+    topo = preset("dgx-a100-80g")
+    t = {v: simulate(g, topo, megatron_plan(g, topo, pp=4, microbatch_size=2, global_batch=16, virtual_stages=v)).value
+         for v in (1, 2, 4)}
+    assert t[4] < t[2] < t[1]
+
+
+# ---------------------------------------------------------------------- the plan format and bad combinations
+def test_plan_version_2_round_trips_and_version_1_loads(gpt, cluster, tmp_path):
+    p = megatron_plan(gpt, cluster, tp=2, pp=2, dp=2, microbatch_size=2, global_batch=16, zero=1,
+                      sequence_parallel=True, recompute="selective", virtual_stages=2)
+    p.save(tmp_path / "p.json")
+    q = Plan.load(tmp_path / "p.json")
+    assert q.key() == p.key() and q.virtual_stages == 2 and "seq_split" in q.layouts and q.zero.max() == 1
+    d = json.loads((tmp_path / "p.json").read_text())
+    d["version"] = 1
+    del d["virtual_stages"]
+    for nd in d["nodes"]:
+        del nd["zero"]
+        nd["layout"] = "replicate" if nd["layout"] == "seq_split" else nd["layout"]
+    old = Plan.from_dict(d)
+    assert old.virtual_stages == 1 and not old.zero.any()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(tp=1, dp=1, zero=2), "ZeRO stage 2 needs data parallelism"),
+    (dict(tp=1, dp=2, sequence_parallel=True), "sequence parallelism needs tensor parallelism"),
+    (dict(pp=2, virtual_stages=3), "do not divide the model's 4 layers"),
+    (dict(pp=1, virtual_stages=2), "need pipeline parallelism"),
+    (dict(pp=2, virtual_stages=2, schedule="gpipe"), "need the 1f1b schedule"),
+    (dict(dp=2, zero=5), "ZeRO stage must be"),
+])
+def test_impossible_combinations_name_the_conflict(gpt, cluster, kw, match):
+    with pytest.raises(PlanError, match=match):
+        megatron_plan(gpt, cluster, microbatch_size=1, global_batch=16, **kw)
+
+
+def test_plan_validation_refuses_impossible_fields(gpt, cluster):
+    base = megatron_plan(gpt, cluster, tp=2, microbatch_size=4, global_batch=16)
+    with pytest.raises(PlanError, match="needs data parallelism"):
+        base.copy(zero=np.full(gpt.num_nodes, 1)).validate(gpt, cluster)
+    single = megatron_plan(gpt, cluster, dp=2, microbatch_size=4, global_batch=16)
+    lays = ["seq_split" if k == "layernorm" else lay for k, lay in zip(gpt.kinds, single.layouts)]
+    with pytest.raises(PlanError, match="needs tensor parallelism"):
+        single.copy(layouts=lays).validate(gpt, cluster)
+    att = int(np.flatnonzero(attention_core(gpt))[0])
+    lays = list(base.layouts)
+    lays[att] = "seq_split"
+    with pytest.raises(PlanError, match="cannot be split along the sequence"):
+        base.copy(layouts=lays).validate(gpt, cluster)
+    pipe = megatron_plan(gpt, cluster, pp=2, microbatch_size=4, global_batch=16, virtual_stages=2)
+    with pytest.raises(PlanError, match="multiple of the pipeline depth"):
+        pipe.copy(microbatches=1, global_batch=4).validate(gpt, cluster)
+
+
+# ---------------------------------------------------------------------- the compiled path is the reference
+def test_compiled_equals_reference_on_the_new_choices(gpt, cluster):
+    checked = 0
+    for (tp, pp, dp), zero, sp, rc, v in itertools.product(((2, 2, 2), (1, 2, 4), (4, 1, 2), (1, 1, 8)), (0, 1, 2, 3),
+                                                             (False, True), ("none", "selective", "full"), (1, 2)):
+        if (zero and dp < 2) or (sp and tp < 2) or (v > 1 and pp < 2) or (zero and rc == "none" and v > 1):
+            continue
+        p = megatron_plan(gpt, cluster, tp=tp, pp=pp, dp=dp, microbatch_size=2, global_batch=16, zero=zero,
+                          sequence_parallel=sp, recompute=rc, virtual_stages=v)
+        a = simulate(gpt, cluster, p, fast_path=False)
+        b = simulate_reference(gpt, cluster, p)
+        assert a.value == b.value and a.num_tasks == b.num_tasks
+        assert np.array_equal(a.peak_memory, b.peak_memory)
+        checked += 1
+    assert checked > 60
+
+
+# ---------------------------------------------------------------------- search finds them
+def test_megatron_sweep_uses_the_new_choices_when_memory_is_tight():
+    # a 6.6B GPT on 4 x 80 GB PCIe GPUs: its model states alone fill 1.4 GPUs
+    g = transformer_graph(layers=32, hidden=4096, heads=32, seq=2048, vocab=32000, batch=16)
+    topo = preset("pcie-4gpu")
+    old = []  # today's space: tp x pp x dp, recomputation none or full
+    for (tp, pp, dp), rc in itertools.product(((1, 1, 4), (2, 1, 2), (4, 1, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)),
+                                              ("none", "full")):
+        r = simulate(g, topo, megatron_plan(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=1, global_batch=16,
+                                            recompute=rc))
+        old.append((r.is_oom, r.value))
+    plan = run_placer("megatron_3d", g, topo, budget=Budget(evaluations=400))
+    cfg = plan.provenance["config"]
+    rep = simulate(g, topo, plan)
+    assert not rep.is_oom
+    assert cfg["zero"] or cfg["sequence_parallel"] or cfg["recompute"] == "selective" or cfg["virtual_stages"] > 1
+    assert rep.value < min(v for oom, v in old if not oom)
