@@ -111,11 +111,18 @@ def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
     return out
 
 
-def memory_options(tp: int, pp: int, dp: int) -> tuple[list[dict], list[dict]]:
+CHOICES = ("all", "classic")  # megatron_3d's space: today's choices, or the 2021 one (recompute none/full)
+
+
+def memory_options(tp: int, pp: int, dp: int, choices: str = "all") -> tuple[list[dict], list[dict]]:
     """The per-configuration settings a user sweeps, as (always tried, tried in turn while everything
     so far runs out of memory): without and with sequence parallelism (tp > 1), without and with ZeRO-1
     (dp > 1); then selective recomputation, ZeRO-2 and ZeRO-3 (dp > 1 and no pipeline: DeepSpeed's and
-    Megatron-LM's FSDP refuse ZeRO-2/3 with pipeline parallelism) and full recomputation."""
+    Megatron-LM's FSDP refuse ZeRO-2/3 with pipeline parallelism) and full recomputation. ``classic``:
+    no ZeRO, no sequence parallelism, recomputation none or full (the plan space before them)."""
+    if choices == "classic":
+        return [dict(zero=0, sequence_parallel=False, recompute="none")], \
+            [dict(zero=0, sequence_parallel=False, recompute="full")]
     sps = (False, True) if tp > 1 else (False,)
     zeros = (0, 1) if dp > 1 else (0,)
     always = [dict(zero=z, sequence_parallel=sp, recompute="none") for z in zeros for sp in sps]
@@ -129,12 +136,15 @@ def memory_options(tp: int, pp: int, dp: int) -> tuple[list[dict], list[dict]]:
 
 
 def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None,
-                objective: str = "step_time") -> Plan:
+                objective: str = "step_time", choices: str = "all") -> Plan:
     """Best Megatron-LM 3-D configuration by exhaustive enumeration under the budget (see module
     docstring): per (tp, pp, dp, microbatch size, schedule) the settings of :func:`memory_options`,
     then for pipelines interleaving (2-4 virtual stages where they divide the layers) of the best of
     them. The enumeration order puts configurations over all devices first, so a short budget still
-    covers them."""
+    covers them. ``choices="classic"`` searches the space without ZeRO, sequence parallelism, selective
+    recomputation and interleaving (for comparisons)."""
+    if choices not in CHOICES:
+        raise PlacerError(f"unknown choices {choices!r}; choose one of {', '.join(CHOICES)}")
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
     kw = plan_defaults(graph)
     best: tuple | None = None
@@ -156,7 +166,7 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
     for cfg in megatron_configs(graph, topology):
         if best is not None and scorer.exhausted():
             break
-        always, savers = memory_options(cfg["tp"], cfg["pp"], cfg["dp"])
+        always, savers = memory_options(cfg["tp"], cfg["pp"], cfg["dp"], choices)
         results = [(score(cfg, o), o) for o in always]
         if results[0][0] is None:
             continue  # the configuration itself is invalid for this graph
@@ -166,7 +176,7 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
             if r is not None and not r.oom:
                 fits.append((r, o))
                 break
-        if cfg["pp"] > 1 and cfg["schedule"] == "1f1b" and fits and not scorer.exhausted():
+        if choices == "all" and cfg["pp"] > 1 and cfg["schedule"] == "1f1b" and fits and not scorer.exhausted():
             top = min(fits, key=lambda ro: ro[0].key())[1]
             for v in (2, 3, 4):
                 score(cfg, top, v)
