@@ -35,6 +35,7 @@ COMMAND_MODULES = [
     "agent.commands.place",
     "agent.commands.demo",
     "agent.commands.export",
+    "agent.commands.dataset",
 ]
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
