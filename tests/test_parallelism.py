@@ -219,3 +219,20 @@ def test_megatron_sweep_uses_the_new_choices_when_memory_is_tight():
     assert not rep.is_oom
     assert cfg["zero"] or cfg["sequence_parallel"] or cfg["recompute"] == "selective" or cfg["virtual_stages"] > 1
     assert rep.value < min(v for oom, v in old if not oom)
+
+
+def test_pipeline_transfers_scatter_and_gather_between_tensor_parallel_stages():
+    # Megatron-LM's scatter/gather (Narayanan et al., SC'21, Sec. 4.1): each tp rank sends 1/tp of the
+    # boundary tensor to its peer in the next stage, which all-gathers it
+    g = transformer_graph(layers=2, hidden=1024, heads=16, seq=512, vocab=1024, batch=4, embeddings=False)
+    topo = preset("a100-80g-cluster:nodes=2")
+    plan = megatron_plan(g, topo, tp=8, pp=2, microbatch_size=4, global_batch=4)
+    rows = [r for r in simulate(g, topo, plan).timeline() if r["kind"] == "comm"]
+    sends = [r for r in rows if r["label"].startswith("send ") and "grad" not in r["label"] and r["device"] < 8]
+    assert len(sends) == 8  # one per tensor-parallel rank, to its peer on the next host
+    boundary = g.out_bytes[g.names.index("layers.0.add2")]
+    for r in sends:
+        src, dst = (int(x) for x in r["label"].split()[2].split("->"))
+        assert dst == src + 8
+        assert r["end"] - r["start"] == pytest.approx(topo.p2p_time(src, dst, boundary / 8))
+    assert any(r["label"].startswith("allgather layers.0.add2") and r["device"] >= 8 for r in rows)

@@ -623,7 +623,25 @@ def layout_crossing(comm: CommTimes, gu: tuple[int, ...], dpu: int, have: int, g
             fwd.append(collective("all_reduce", gu, dpu, S / dpu, False, "allreduce {u} mb{k}"))
         elif (have == FSHARD or have == SSHARD) and tpu > 1:
             fwd.append(collective("all_gather", gu, dpu, S / dpu, False, "allgather {u} mb{k}"))
-        moves = redistribution(gu, dpu, gv, dpv, req, S)
+        scatter_gather = (req == FULL and edge_time is None and tpu == tpv and tpu > 1 and dpu == dpv
+                          and not set(gu) & set(gv))
+        moves = [] if scatter_gather else redistribution(gu, dpu, gv, dpv, req, S)
+        if scatter_gather:
+            # Megatron-LM's scatter/gather between pipeline stages (Narayanan et al., SC'21, Sec. 4.1):
+            # tensor-parallel rank t sends 1/tp of the tensor to rank t of the next stage, which
+            # all-gather it over their fast intra-group links; the gradient the same way back
+            piece = S / dpv / tpv
+            step, back = [], []
+            for a, b in zip(gu, gv):
+                t = comm.p2p(a, b, piece)
+                step.append(add(t, False, (a, b), f"send {{u}} {a}->{b} mb{{k}}", ((a,), (b,))))
+                if not latency:
+                    back.append(add(t, True, (a, b), f"send grad {{u}} {b}->{a} mb{{k}}", ((b,), (a,))))
+            fwd.append(step)
+            fwd.append(collective("all_gather", gv, dpv, S / dpv, False, "allgather {u} mb{k}"))
+            if not latency:
+                bwd.append(back)
+                bwd.append(collective("all_gather", gu, dpu, S / dpu, True, "allgather grad {u} mb{k}"))
         if moves:
             step, back = [], []
             for a, b, nb, trank in moves:
