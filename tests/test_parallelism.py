@@ -236,3 +236,49 @@ def test_pipeline_transfers_scatter_and_gather_between_tensor_parallel_stages():
         assert dst == src + 8
         assert r["end"] - r["start"] == pytest.approx(topo.p2p_time(src, dst, boundary / 8))
     assert any(r["label"].startswith("allgather layers.0.add2") and r["device"] >= 8 for r in rows)
+
+
+def test_mcmc_proposals_cover_the_new_choices_and_keep_them(gpt, cluster):
+    from agent.placers.search import PlanSpace, _propose
+
+    start = megatron_plan(gpt, cluster, tp=2, pp=2, dp=2, microbatch_size=2, global_batch=16, zero=1,
+                          sequence_parallel=True, recompute="selective", virtual_stages=2)
+    space = PlanSpace(gpt, cluster)
+    rng = np.random.default_rng(0)
+    seen = {"zero": set(), "recompute": set(), "sp": set(), "kept_v": 0}
+    for _ in range(400):
+        p = _propose(space, start, rng)
+        if p is None:
+            continue
+        seen["zero"].add(int(p.zero.max()))
+        seen["recompute"].add("full" if p.recompute.all() else "none" if not p.recompute.any() else "selective")
+        seen["sp"].add("seq_split" in p.layouts)
+        seen["kept_v"] += p.virtual_stages == 2
+        assert not (p.zero[p.dp < 2] > 0).any()
+    assert seen["zero"] == {0, 1, 2, 3} and seen["recompute"] == {"none", "selective", "full"}
+    assert seen["sp"] == {True, False} and seen["kept_v"] > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lower_bound_holds_over_the_new_choices(seed):
+    from agent.lower_bound import lower_bound
+
+    rng = np.random.default_rng(seed)
+    g = transformer_graph(layers=4, hidden=int(rng.choice([256, 512, 1024])), heads=8, seq=256, vocab=2000, batch=16)
+    topo = preset(str(rng.choice(["pcie-4gpu", "dgx-a100-80g", "a100-80g-cluster:nodes=2"])))
+    lb = lower_bound(g, topo)
+    for _ in range(6):
+        tp, pp = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2]))
+        dp = max(1, min(topo.num_devices // (tp * pp), int(rng.choice([1, 2, 4]))))
+        kw = dict(zero=int(rng.integers(0, 4)) if dp > 1 else 0, sequence_parallel=bool(tp > 1 and rng.random() < 0.5),
+                  recompute=str(rng.choice(["none", "selective", "full"])),
+                  virtual_stages=2 if pp > 1 and rng.random() < 0.5 else 1)
+        try:
+            plan = megatron_plan(g, topo, tp=tp, pp=pp, dp=dp, microbatch_size=16 // dp // 2 or 1, global_batch=16,
+                                 **kw)
+        except PlanError:
+            continue
+        rep = simulate(g, topo, plan, timeline=False)
+        assert lb["lower_bound_any"] <= rep.value * (1 + 1e-9)
+        if not rep.is_oom:
+            assert lb["lower_bound"] <= rep.value * (1 + 1e-9)

@@ -13,7 +13,10 @@ count, schedule (GPipe / 1F1B) and activation recomputation.
   Parallelism for Deep Neural Networks", MLSys 2019, Sec. 5): Metropolis-Hastings over plans with the
   simulator as cost, started from the best fast heuristic. Moves: change one unit's group/layout;
   change a contiguous block of units (topological order) to one group and parallelism scheme; change
-  the microbatch count, schedule or recomputation. A proposal is accepted with probability
+  the microbatch count, schedule, recomputation (none / selective / full), the ZeRO stage of the
+  data-parallel nodes, or sequence parallelism on and off. A plan's ZeRO stage, selective
+  recomputation, sequence splits and virtual stages carry over to its proposals (virtual stages only
+  while the placement is unchanged). A proposal is accepted with probability
   ``min(1, exp(-(E' - E) / T))`` for energy ``E = log(objective value) + overflow penalty``; the temperature
   ``T_k = T0 * 2^(-k / HALF_LIFE)`` depends only on the evaluation count ``k``, never on the budget, so
   for one seed a larger budget extends the same trajectory and is never worse.
@@ -40,8 +43,8 @@ from agent.placers.common import (
     plan_defaults,
     units,
 )
-from envs.graph import OpGraph
-from envs.plan import Plan, megatron_layouts
+from envs.graph import CAN_BATCH, CAN_REPLICATE, OpGraph
+from envs.plan import Plan, attention_core, megatron_layouts, recompute_flags
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=600)
@@ -65,6 +68,11 @@ class PlanSpace:
         self.mega = megatron_layouts(graph)
         self.kw = plan_defaults(graph)
         self.batch = graph.batch_size
+        fed = np.zeros(graph.num_nodes, dtype=bool)
+        fed[graph.edge_dst] = True
+        caps = graph.layout_caps
+        self.seq_ok = (fed & ((caps & CAN_REPLICATE) > 0) & ((caps & CAN_BATCH) > 0) & ~attention_core(graph)
+                       & bool("heads" in graph.meta or "seq" in graph.meta))
 
     def unit_groups(self, u: int) -> list[tuple[int, ...]]:
         return [g for g in self.groups if self.uallowed[u, list(g)].all()]
@@ -169,10 +177,24 @@ def energy(out: Outcome) -> float:
     return e
 
 
+def _recompute_mode(graph: OpGraph, rc: np.ndarray) -> str:
+    if rc.all():
+        return "full"
+    if not rc.any():
+        return "none"
+    return "selective" if np.array_equal(rc, recompute_flags(graph, "selective")) else "custom"
+
+
 def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | None:
+    graph = space.graph
     groups, layouts, dps = list(plan.groups), list(plan.layouts), plan.dp.copy()
-    m, sched, rc = plan.microbatches, plan.schedule, bool(plan.recompute.any())
+    m, sched = plan.microbatches, plan.schedule
+    recompute = plan.recompute.copy()
+    zero = int(plan.zero.max()) if plan.zero.size else 0
+    virtual = plan.virtual_stages
     r = rng.random()
+    if r < 0.75:
+        virtual = 1  # a placement move: the chunks change
     if r < 0.4:  # one unit
         u = int(rng.integers(space.nu))
         cand = space.unit_groups(u)
@@ -207,19 +229,32 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
             space.assign(groups, layouts, dps, u, g, *min(opts, key=lambda o: abs(o[1] - dp_want)))
     else:  # global knobs
         s = rng.random()
-        if s < 0.6:
+        if s < 0.45:
             ms = _mb_choices(space.batch)
             i = ms.index(m)
             j = int(np.clip(i + (1 if rng.random() < 0.5 else -1), 0, len(ms) - 1))
             if j == i:
                 return None
             m = ms[j]
-        elif s < 0.8:
+        elif s < 0.6:
             sched = "gpipe" if sched == "1f1b" else "1f1b"
-        else:
-            rc = not rc
-    return Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched,
-                recompute=np.full(space.graph.num_nodes, rc), **space.kw)
+            virtual = 1
+        elif s < 0.75:
+            modes = [x for x in ("none", "selective", "full") if x != _recompute_mode(graph, recompute)]
+            recompute = recompute_flags(graph, modes[int(rng.integers(len(modes)))])
+        elif s < 0.9:
+            zero = int(rng.choice([z for z in (0, 1, 2, 3) if z != zero]))
+        else:  # sequence parallelism on / off
+            if "seq_split" in layouts:
+                layouts = ["replicate" if x == "seq_split" else x for x in layouts]
+            else:
+                layouts = ["seq_split" if x == "replicate" and space.seq_ok[v] and len(groups[v]) // int(dps[v]) > 1
+                           else x for v, x in enumerate(layouts)]
+    # a sequence split needs a tensor-parallel group: nodes moved off one go back to replicate
+    layouts = ["replicate" if x == "seq_split" and len(groups[v]) // int(dps[v]) < 2 else x
+               for v, x in enumerate(layouts)]
+    return Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched, recompute=recompute,
+                zero=np.where(dps > 1, zero, 0), virtual_stages=virtual, **space.kw)
 
 
 def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) -> Plan:
