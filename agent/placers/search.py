@@ -227,22 +227,30 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
             if dp_want is None:
                 dp_want = opts[int(rng.integers(len(opts)))][1]
             space.assign(groups, layouts, dps, u, g, *min(opts, key=lambda o: abs(o[1] - dp_want)))
-    else:  # global knobs
-        s = rng.random()
-        if s < 0.45:
+    else:  # global knobs (only those that can change this plan)
+        knobs = {"microbatches": 0.45, "schedule": 0.15, "recompute": 0.15}
+        if (space.graph.param_bytes[dps > 1] > 0).any():
+            knobs["zero"] = 0.15
+        if "seq_split" in layouts or any(space.seq_ok[v] and len(groups[v]) // int(dps[v]) > 1 and x == "replicate"
+                                         for v, x in enumerate(layouts)):
+            knobs["sp"] = 0.10
+        names = list(knobs)
+        w = np.array([knobs[k] for k in names])
+        knob = names[int(rng.choice(len(names), p=w / w.sum()))]
+        if knob == "microbatches":
             ms = _mb_choices(space.batch)
             i = ms.index(m)
             j = int(np.clip(i + (1 if rng.random() < 0.5 else -1), 0, len(ms) - 1))
             if j == i:
                 return None
             m = ms[j]
-        elif s < 0.6:
+        elif knob == "schedule":
             sched = "gpipe" if sched == "1f1b" else "1f1b"
             virtual = 1
-        elif s < 0.75:
+        elif knob == "recompute":
             modes = [x for x in ("none", "selective", "full") if x != _recompute_mode(graph, recompute)]
             recompute = recompute_flags(graph, modes[int(rng.integers(len(modes)))])
-        elif s < 0.9:
+        elif knob == "zero":
             zero = int(rng.choice([z for z in (0, 1, 2, 3) if z != zero]))
         else:  # sequence parallelism on / off
             if "seq_split" in layouts:
