@@ -249,13 +249,32 @@ def make_vec_env(tasks: Sequence, kwargs: dict, n_envs: int, seed: int):
 
 
 def _close_quietly(env) -> None:
-    """Close a vec env; a worker that is already gone (after Ctrl-C or a crash) is not a second error."""
+    """Close a vec env; a worker that is already gone (after Ctrl-C or a crash) is not a second error.
+    A SubprocVecEnv interrupted inside a step may have answered some workers' results already: its own
+    close would wait for those answers again (forever), so the pending ones are drained with a timeout,
+    the workers told to close, and any that do not end within seconds terminated."""
     if env is None:
         return
-    try:
-        env.close()
-    except (EOFError, OSError):  # BrokenPipeError, ConnectionResetError: the worker is gone
-        pass
+    remotes, processes = getattr(env, "remotes", None), getattr(env, "processes", None)
+    if remotes is None or processes is None or getattr(env, "closed", False):
+        try:
+            env.close()
+        except (EOFError, OSError):  # BrokenPipeError, ConnectionResetError: the worker is gone
+            pass
+        return
+    for remote in remotes:
+        try:
+            if getattr(env, "waiting", False) and remote.poll(2.0):
+                remote.recv()
+            remote.send(("close", None))
+        except (EOFError, OSError):
+            pass
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+    env.waiting, env.closed = False, True
 
 
 def build_envs(cfg: TrainConfig, tasks: Sequence, eval_tasks: Sequence, kw: dict):
