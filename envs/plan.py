@@ -369,6 +369,18 @@ def attention_core(graph: OpGraph) -> np.ndarray:
     return np.array([is_attention_core(graph, v) for v in range(graph.num_nodes)], dtype=bool)
 
 
+def sequence_splittable(graph: OpGraph) -> np.ndarray:
+    """Per node: sequence parallelism may split it (a token-wise op of a sequence model that can run
+    replicated and split by samples, not an attention core, not a model input: the embedding reads
+    every token)."""
+    if "heads" not in graph.meta and "seq" not in graph.meta:
+        return np.zeros(graph.num_nodes, dtype=bool)
+    fed = np.zeros(graph.num_nodes, dtype=bool)
+    fed[graph.edge_dst] = True
+    caps = graph.layout_caps
+    return fed & ((caps & CAN_REPLICATE) > 0) & ((caps & CAN_BATCH) > 0) & ~attention_core(graph)
+
+
 def recompute_flags(graph: OpGraph, mode: str | bool) -> np.ndarray:
     """Per-node recomputation of a plan-wide mode: ``none``, ``selective`` (the attention core,
     Korthikanti et al. 2022) or ``full`` (every node, Chen et al. 2016); True/False mean full/none."""
@@ -530,11 +542,8 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
         if "heads" not in graph.meta and "seq" not in graph.meta:
             raise PlanError(f"sequence parallelism needs a sequence model (graph {graph.name!r} records no "
                             "attention heads or sequence length)")
-        core = attention_core(graph)
-        fed = np.zeros(graph.num_nodes, dtype=bool)
-        fed[graph.edge_dst] = True  # model inputs stay whole: the embedding reads every token
-        layouts = ["seq_split" if lay == "replicate" and c & CAN_REPLICATE and c & CAN_BATCH and not core[v]
-                   and fed[v] else lay for v, (lay, c) in enumerate(zip(layouts, graph.layout_caps.tolist()))]
+        can = sequence_splittable(graph)
+        layouts = ["seq_split" if lay == "replicate" and can[v] else lay for v, lay in enumerate(layouts)]
     width = tp * dp
     groups, dps, lays = [], [], []
     for v in range(graph.num_nodes):

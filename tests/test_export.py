@@ -95,6 +95,13 @@ def _all_exports(graphs, topo):
     return out
 
 
+def _exports_for(graphs, topo, runtime):
+    """(plan name, export, its Parallelism) of every plan ``runtime`` expresses."""
+    for (name, rt), ex in _all_exports(graphs, topo).items():
+        if rt == runtime:
+            yield name, ex, uniform_parallelism(*_plan(graphs, topo, name))
+
+
 def test_every_emitted_name_is_the_runtimes_own(graphs, topo):
     seen = {"megatron": set(), "deepspeed": set(), "torchtitan": set()}
     for name in PLANS:
@@ -161,11 +168,8 @@ def test_megatron_values_and_launch_script(graphs, topo, tmp_path):
 
 def test_deepspeed_batch_identity(graphs, topo):
     checked = 0
-    for (name, rt), ex in _all_exports(graphs, topo).items():
-        if rt != "deepspeed":
-            continue
+    for name, ex, par in _exports_for(graphs, topo, "deepspeed"):
         cfg = json.loads(ex.text)
-        par = uniform_parallelism(*_plan(graphs, topo, name))
         # DeepSpeed asserts train_batch_size == micro * gas * (data-parallel world size), not the GPU count
         assert cfg["train_batch_size"] == (cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
                                            * par.dp), name
@@ -178,11 +182,8 @@ def test_deepspeed_batch_identity(graphs, topo):
 
 def test_torchtitan_toml_parses_and_batches_add_up(graphs, topo):
     checked = 0
-    for (name, rt), ex in _all_exports(graphs, topo).items():
-        if rt != "torchtitan":
-            continue
+    for name, ex, par in _exports_for(graphs, topo, "torchtitan"):
         doc = tomllib.loads(ex.text)
-        par = uniform_parallelism(*_plan(graphs, topo, name))
         pa, tr = doc["parallelism"], doc["training"]
         dp = pa["data_parallel_replicate_degree"] * pa["data_parallel_shard_degree"]
         assert dp == par.dp and pa["tensor_parallel_degree"] * pa["pipeline_parallel_degree"] * dp == par.world

@@ -43,8 +43,8 @@ from agent.placers.common import (
     plan_defaults,
     units,
 )
-from envs.graph import CAN_BATCH, CAN_REPLICATE, OpGraph
-from envs.plan import Plan, attention_core, megatron_layouts, recompute_flags
+from envs.graph import OpGraph
+from envs.plan import Plan, megatron_layouts, recompute_flags, sequence_splittable
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=600)
@@ -68,11 +68,7 @@ class PlanSpace:
         self.mega = megatron_layouts(graph)
         self.kw = plan_defaults(graph)
         self.batch = graph.batch_size
-        fed = np.zeros(graph.num_nodes, dtype=bool)
-        fed[graph.edge_dst] = True
-        caps = graph.layout_caps
-        self.seq_ok = (fed & ((caps & CAN_REPLICATE) > 0) & ((caps & CAN_BATCH) > 0) & ~attention_core(graph)
-                       & bool("heads" in graph.meta or "seq" in graph.meta))
+        self.seq_ok = sequence_splittable(graph)
 
     def unit_groups(self, u: int) -> list[tuple[int, ...]]:
         return [g for g in self.groups if self.uallowed[u, list(g)].all()]

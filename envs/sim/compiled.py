@@ -526,7 +526,6 @@ class CompiledSimulator:
         by_group: dict[int, list[int]] = {}
         for v in order:
             by_group.setdefault(int(pa.gid[v]), []).append(v)
-        _, _, g_size = self._group_arrays()
         src, dst = [], []
         for v in order:
             g = self._groups[int(pa.gid[v])]
