@@ -28,6 +28,15 @@ pipeline stages per device (interleaved 1F1B, Narayanan et al. SC'21, Sec. 2.2).
 A group of size n may combine data and tensor parallelism: ``dp`` is the data-parallel degree and
 tp = n / dp the tensor-parallel degree; devices are ordered dp-major (``group[r * tp + t]``).
 Pipeline stages are the distinct device groups in the order the graph first uses them.
+
+Expert parallelism (``ep`` per node, DeepSpeed-MoE, Rajbhandari et al. ICML'22; Megatron-LM's
+``--expert-model-parallel-size``): the experts of a mixture-of-experts layer (nodes under a module path
+``...experts.<i>...``, :func:`expert_layers`) are spread over ep devices of their data-parallel group.
+The group splits into EP groups of ep consecutive ranks; EP rank j of each EP group holds the experts
+j*E/ep .. (j+1)*E/ep - 1 (E experts in the layer) and computes them for the tokens of all ep ranks of its
+EP group (an all-to-all dispatches the tokens to their experts and one combines them back); an expert's
+replicas are the devices of its EP rank in every EP group (dp / ep of them, its gradients all-reduced,
+its ZeRO shards spread, over those).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, DTYPE_BYTES, 
 from envs.topology import Topology
 
 FORMAT = "rlplace.plan"
-VERSION = 2  # 2: per-node ZeRO stage, the seq_split layout, virtual stages (version-1 files load)
+VERSION = 3  # 2: per-node ZeRO stage, the seq_split layout, virtual stages; 3: expert parallelism (older files load)
 LAYOUTS = ("single", "batch_split", "col_split", "row_split", "replicate", "seq_split")
 SCHEDULES = ("gpipe", "1f1b")
 RECOMPUTE = ("none", "selective", "full")
@@ -101,6 +110,7 @@ class Plan:
     graph_id: dict | None = None  # {"name", "num_nodes", "fingerprint"} of the graph the plan was made for
     zero: np.ndarray | None = None  # ZeRO stage (0-3) per node over its data-parallel replicas
     virtual_stages: int = 1  # model chunks per pipeline device (interleaved 1F1B when > 1)
+    ep: np.ndarray | None = None  # expert-parallel degree per node (1: not expert-parallel)
 
     def __post_init__(self) -> None:
         n = len(self.groups)
@@ -124,8 +134,10 @@ class Plan:
         self.dp = int_array(self.dp, "dp", PlanError)
         self.recompute = np.zeros(n, dtype=bool) if self.recompute is None else _flags(self.recompute, n)
         self.zero = np.zeros(n, dtype=np.int64) if self.zero is None else int_array(self.zero, "zero", PlanError)
-        if self.dp.shape[0] != n or self.recompute.shape[0] != n or self.zero.shape[0] != n:
-            raise PlanError("plan arrays (dp, recompute, zero) do not match the number of nodes")
+        self.ep = np.ones(n, dtype=np.int64) if self.ep is None else int_array(self.ep, "ep", PlanError)
+        if (self.dp.shape[0] != n or self.recompute.shape[0] != n or self.zero.shape[0] != n
+                or self.ep.shape[0] != n):
+            raise PlanError("plan arrays (dp, recompute, zero, ep) do not match the number of nodes")
         for what in ("microbatches", "global_batch", "virtual_stages"):
             v = getattr(self, what)
             if v is None and what == "global_batch":
@@ -152,6 +164,11 @@ class Plan:
 
     def tp(self, i: int) -> int:
         return len(self.groups[i]) // int(self.dp[i])
+
+    def replicas(self, i: int) -> int:
+        """How many copies of node i's weights the plan keeps (over which its gradients are reduced and
+        its ZeRO shards spread): its data-parallel degree, divided by its expert-parallel degree."""
+        return int(self.dp[i]) // int(self.ep[i])
 
     def devices_used(self) -> list[int]:
         return sorted({d for g in self.groups for d in g})
@@ -190,14 +207,16 @@ class Plan:
         if self.zero.size and (self.zero.min() < 0 or self.zero.max() > 3):
             raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, got {int(self.zero[(self.zero < 0) | (self.zero > 3)][0])}")
         self._validate_virtual_stages(graph)
+        self._validate_expert_parallel(graph)
         mb = batch // self.microbatches
         nd = topology.num_devices
-        seen: set[tuple] = set()  # a (group, layout, dp, caps, zero) passes or fails wherever it appears
-        for i, (g, lay, dp, caps, z) in enumerate(zip(self.groups, self.layouts, self.dp.tolist(),
-                                                     graph.layout_caps.tolist(), self.zero.tolist())):
-            if (g, lay, dp, caps, z) in seen:
+        seen: set[tuple] = set()  # a (group, layout, dp, caps, zero, ep) passes or fails wherever it appears
+        for i, (g, lay, dp, caps, z, ep) in enumerate(zip(self.groups, self.layouts, self.dp.tolist(),
+                                                         graph.layout_caps.tolist(), self.zero.tolist(),
+                                                         self.ep.tolist())):
+            if (g, lay, dp, caps, z, ep) in seen:
                 continue
-            seen.add((g, lay, dp, caps, z))
+            seen.add((g, lay, dp, caps, z, ep))
             who = f"node {graph.names[i]!r}"
             if not g:
                 raise PlanError(f"{who}: empty device group")
@@ -227,6 +246,9 @@ class Plan:
             if z > 0 and dp < 2:
                 raise PlanError(f"{who}: ZeRO stage {z} needs data parallelism (dp >= 2), but dp={dp}: "
                                 "ZeRO shards model states over the data-parallel replicas")
+            if z > 0 and self.replicas(i) < 2:
+                raise PlanError(f"{who}: ZeRO stage {z} needs at least 2 replicas of the expert, but dp={dp} "
+                                f"with expert parallelism ep={int(self.ep[i])} keeps one")
             if lay == "seq_split":
                 if len(g) // dp < 2:
                     raise PlanError(f"{who}: sequence parallelism (seq_split) needs tensor parallelism "
@@ -274,6 +296,61 @@ class Plan:
             raise PlanError(f"interleaving needs the microbatches ({self.microbatches}) to be a multiple of "
                             f"the pipeline depth ({p})")
 
+    def _validate_expert_parallel(self, graph: OpGraph) -> None:
+        """Expert parallelism: only on the experts of a mixture-of-experts layer, all of a layer's experts
+        alike, data-parallel (batch_split, tp = 1) over a group whose data-parallel degree ep divides, ep
+        dividing the layer's experts; the ops that feed the experts and that the experts feed (the
+        dispatch and combine all-to-alls' ends) data-parallel on the same group."""
+        ep = self.ep
+        if ep.size and ep.min() < 1:
+            raise PlanError(f"expert-parallel degree must be >= 1, got {int(ep.min())}")
+        if ep.max(initial=1) <= 1:
+            return
+        layer, index, count = expert_layers(graph)
+        if (layer < 0).all():
+            raise PlanError(f"expert parallelism (ep={int(ep.max())}) needs a mixture-of-experts model, but graph "
+                            f"{graph.name!r} has no experts (no module path '...experts.<i>...')")
+        bad = np.flatnonzero((ep > 1) & (layer < 0))
+        if bad.size:
+            raise PlanError(f"node {graph.names[bad[0]]!r} is not an expert, but has expert-parallel degree "
+                            f"{int(ep[bad[0]])}")
+        first: dict[int, int] = {}
+        for v in np.flatnonzero(layer >= 0).tolist():
+            u = first.setdefault(int(layer[v]), v)
+            if (self.groups[v], int(ep[v]), int(self.dp[v])) != (self.groups[u], int(ep[u]), int(self.dp[u])):
+                raise PlanError(f"the experts of one layer differ: {graph.names[u]!r} on {self.groups[u]} with "
+                                f"ep={int(ep[u])}, {graph.names[v]!r} on {self.groups[v]} with ep={int(ep[v])}: "
+                                "expert parallelism spreads a layer's experts over one group")
+            e = int(ep[v])
+            if e <= 1:
+                continue
+            who = f"node {graph.names[v]!r}"
+            if self.layouts[v] != "batch_split":
+                raise PlanError(f"{who}: expert parallelism needs the experts data-parallel (batch_split), "
+                                f"got {self.layouts[v]!r}")
+            if int(self.dp[v]) % e:
+                raise PlanError(f"{who}: expert-parallel degree {e} does not divide its data-parallel degree "
+                                f"{int(self.dp[v])}")
+            if int(count[v]) % e:
+                raise PlanError(f"{who}: expert-parallel degree {e} does not divide the layer's {int(count[v])} "
+                                "experts")
+        for e in range(graph.num_edges):
+            a, b = int(graph.edge_src[e]), int(graph.edge_dst[e])
+            if (layer[a], index[a]) == (layer[b], index[b]):
+                continue  # inside one expert (or outside every expert)
+            for x, y in ((a, b), (b, a)):
+                if layer[x] < 0 or ep[x] <= 1:
+                    continue
+                if layer[y] >= 0 and ep[y] > 1:
+                    raise PlanError(f"experts {graph.names[x]!r} and {graph.names[y]!r} are connected: an "
+                                    "expert-parallel layer's experts exchange tokens only through its dispatch "
+                                    "and combine")
+                if (self.layouts[y] != "batch_split" or self.groups[y] != self.groups[x]
+                        or int(self.dp[y]) != int(self.dp[x])):
+                    raise PlanError(f"node {graph.names[y]!r} exchanges tokens with the expert-parallel "
+                                    f"{graph.names[x]!r}: it must be data-parallel (batch_split) on the experts' "
+                                    f"group {self.groups[x]} (the all-to-all runs inside it)")
+
     def chunks(self, graph: OpGraph) -> tuple[np.ndarray, int]:
         """(model chunk of each node, number of distinct device groups): a new chunk starts wherever the
         device group changes along the topological order (contiguous runs of one group)."""
@@ -294,8 +371,10 @@ class Plan:
         d = {"format": FORMAT, "version": VERSION, "microbatches": self.microbatches,
              "schedule": self.schedule, "virtual_stages": self.virtual_stages, "global_batch": self.global_batch,
              "dtype": self.dtype, "state_bytes_per_param": self.state_bytes_per_param, "provenance": self.provenance,
-             "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc), "zero": int(z)}
-                       for g, lay, dp, rc, z in zip(self.groups, self.layouts, self.dp, self.recompute, self.zero)]}
+             "nodes": [{"devices": list(g), "layout": lay, "dp": int(dp), "recompute": bool(rc), "zero": int(z),
+                        **({"ep": int(e)} if e > 1 else {})}
+                       for g, lay, dp, rc, z, e in zip(self.groups, self.layouts, self.dp, self.recompute,
+                                                       self.zero, self.ep)]}
         if self.graph_id:
             d["graph"] = dict(self.graph_id)
         return d
@@ -317,7 +396,8 @@ class Plan:
         try:
             return cls(groups=[tuple(nd.devices) for nd in nodes], layouts=[nd.layout for nd in nodes],
                        dp=[nd.dp for nd in nodes], recompute=[nd.recompute for nd in nodes],
-                       zero=[nd.zero for nd in nodes], virtual_stages=doc.virtual_stages,
+                       zero=[nd.zero for nd in nodes], ep=[nd.ep for nd in nodes],
+                       virtual_stages=doc.virtual_stages,
                        microbatches=doc.microbatches, schedule=doc.schedule, global_batch=doc.global_batch,
                        dtype=doc.dtype, state_bytes_per_param=doc.state_bytes_per_param,
                        provenance=dict(doc.provenance),
@@ -339,14 +419,14 @@ class Plan:
         """A hashable identity of the plan's decisions (for evaluation caches)."""
         return json.dumps([self.groups, self.layouts, self.dp.tolist(), self.recompute.tolist(), self.microbatches,
                            self.schedule, self.global_batch, self.dtype, self.state_bytes_per_param,
-                           self.zero.tolist(), self.virtual_stages]).encode()
+                           self.zero.tolist(), self.virtual_stages, self.ep.tolist()]).encode()
 
     def copy(self, **changes) -> Plan:
         p = Plan(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
                  recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
                  global_batch=self.global_batch, dtype=self.dtype, state_bytes_per_param=self.state_bytes_per_param,
                  provenance=dict(self.provenance), graph_id=self.graph_id, zero=self.zero.copy(),
-                 virtual_stages=self.virtual_stages)
+                 virtual_stages=self.virtual_stages, ep=self.ep.copy())
         for k, v in changes.items():
             setattr(p, k, v)
         p.__post_init__()
@@ -362,6 +442,29 @@ def is_attention_core(graph: OpGraph, v: int) -> bool:
     path = graph.module_paths[v].lower()
     return (kind in _ATTENTION_INNER_KINDS and graph.param_bytes[v] == 0
             and ("attn" in path or "attention" in path))
+
+
+_EXPERT_RE = re.compile(r"^(.*?\bexperts)\.(\d+)(?:\.|$)")
+
+
+def expert_layers(graph: OpGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per node (layer, expert, experts in the layer): the mixture-of-experts layer it is an expert of
+    (numbered in order of first appearance; -1 for a node outside any expert), its expert's index
+    under that layer's ``experts`` module (``layers.3.moe.experts.5.fc1`` -> 5, as in torch.nn.ModuleList
+    names of GShard/Switch/Mixtral-style models) and how many experts the layer has (0 outside)."""
+    layer = np.full(graph.num_nodes, -1, dtype=np.int64)
+    index = np.full(graph.num_nodes, -1, dtype=np.int64)
+    ids: dict[str, int] = {}
+    for v, path in enumerate(graph.module_paths):
+        m = _EXPERT_RE.match(path)
+        if m:
+            layer[v] = ids.setdefault(m.group(1), len(ids))
+            index[v] = int(m.group(2))
+    count = np.zeros(graph.num_nodes, dtype=np.int64)
+    for L in range(len(ids)):
+        members = layer == L
+        count[members] = int(index[members].max()) + 1
+    return layer, index, count
 
 
 def attention_core(graph: OpGraph) -> np.ndarray:
@@ -494,12 +597,13 @@ def megatron_layouts(graph: OpGraph) -> list[str]:
 def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
              microbatch_size: int | None = None, global_batch: int | None = None, schedule: str = "1f1b",
              recompute: str | bool = "none", dtype: str = "bf16", zero: int = 0, sequence_parallel: bool = False,
-             virtual_stages: int = 1) -> Plan:
+             virtual_stages: int = 1, expert_parallel: int = 1) -> Plan:
     """The standard 3-D (tensor x pipeline x data) configuration for a transformer graph, with
     Megatron-LM's and DeepSpeed's options: ``recompute`` none / selective (the attention core) / full,
     ``zero`` the ZeRO stage of the data-parallel replicas, ``sequence_parallel`` the token-wise ops of the
     tensor-parallel layers sequence-split, ``virtual_stages`` model chunks per pipeline rank (interleaved
-    1F1B: the layers in pp x v equal chunks, chunk c on rank c mod pp)."""
+    1F1B: the layers in pp x v equal chunks, chunk c on rank c mod pp), ``expert_parallel`` the experts
+    of every mixture-of-experts layer spread over that many data-parallel ranks (tp = 1)."""
     if min(tp, pp, dp) < 1:
         raise PlanError("tp, pp and dp must be >= 1")
     if zero not in ZERO_STAGES:
@@ -514,6 +618,21 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
         raise PlanError(f"virtual stages (interleaving) need pipeline parallelism (pp >= 2), got pp={pp}")
     if virtual_stages > 1 and schedule != "1f1b":
         raise PlanError(f"virtual stages (interleaving) need the 1f1b schedule, got {schedule!r}")
+    if expert_parallel < 1:
+        raise PlanError(f"expert-parallel degree must be >= 1, got {expert_parallel}")
+    if expert_parallel > 1:
+        elayer, _, ecount = expert_layers(graph)
+        if (elayer < 0).all():
+            raise PlanError(f"expert parallelism (ep={expert_parallel}) needs a mixture-of-experts model, but "
+                            f"graph {graph.name!r} has no experts (no module path '...experts.<i>...')")
+        if tp > 1:
+            raise PlanError("expert parallelism with tensor parallelism is not in the plan space: use tp=1 "
+                            "(the experts' EP groups are data-parallel ranks)")
+        if dp % expert_parallel:
+            raise PlanError(f"expert-parallel degree {expert_parallel} does not divide dp={dp}")
+        bad = sorted({int(c) for c in ecount[elayer >= 0] if c % expert_parallel})
+        if bad:
+            raise PlanError(f"expert-parallel degree {expert_parallel} does not divide the {bad[0]} experts of a layer")
     if tp * pp * dp > topology.num_devices:
         raise PlanError(f"tp*pp*dp = {tp * pp * dp} exceeds the topology's {topology.num_devices} devices")
     if pp > graph.num_nodes:
@@ -560,13 +679,18 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
         groups.append(g)
         lays.append(lay)
         dps.append(len(g) // tp if lay in ("col_split", "row_split", "replicate", "seq_split") else len(g))
-    zeros = [zero if d > 1 else 0 for d in dps]
+    eps = np.ones(graph.num_nodes, dtype=np.int64)
+    if expert_parallel > 1:
+        eps[(expert_layers(graph)[0] >= 0) & (np.array(dps) > 1)] = expert_parallel
+    zeros = [zero if d // e > 1 else 0 for d, e in zip(dps, eps.tolist())]
     mode = "full" if recompute is True else ("none" if recompute is False else recompute)
     prov = {"placer": "megatron", "tp": tp, "pp": pp, "dp": dp, "microbatch_size": mbs}
-    if zero or sequence_parallel or virtual_stages > 1 or mode == "selective":
+    if zero or sequence_parallel or virtual_stages > 1 or mode == "selective" or expert_parallel > 1:
         prov.update(zero=zero, sequence_parallel=bool(sequence_parallel), virtual_stages=virtual_stages,
                     recompute=mode)
-    return Plan(groups=groups, layouts=lays, dp=dps, recompute=recompute_flags(graph, mode), zero=zeros,
+    if expert_parallel > 1:
+        prov["expert_parallel"] = expert_parallel
+    return Plan(groups=groups, layouts=lays, dp=dps, recompute=recompute_flags(graph, mode), zero=zeros, ep=eps,
                 microbatches=m, schedule=schedule, global_batch=gb, dtype=dtype, virtual_stages=virtual_stages,
                 provenance=prov).bind(graph)
 

@@ -144,6 +144,7 @@ class PlanNodeDoc(_Doc):
     dp: _int(1, 10**7) = 1
     recompute: Annotated[bool, Field(strict=True)] = False
     zero: _int(0, 3) = 0
+    ep: _int(1, 10**7) = 1
 
 
 class PlanGraphDoc(_Doc):

@@ -45,6 +45,9 @@ def check_device_count(n: int | float, where: str = "topology") -> None:
                             "topology (envs.topology.MAX_DEVICES)")
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
 @dataclass
 class Device:
     name: str
@@ -495,23 +498,28 @@ class Topology:
     def collective_time(self, kind: str, group: Sequence[int], nbytes: float) -> float:
         """Time of a collective of ``nbytes`` (the full tensor) over ``group`` of devices.
 
-        kind: "all_reduce", "all_gather", "reduce_scatter", "broadcast". Within a host a ring:
+        kind: "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all" (``nbytes``: each
+        rank's send buffer, 1/n of it to every rank). Within a host a ring:
         all-reduce 2(n-1)/n*S/B + 2(n-1)*alpha, all-gather / reduce-scatter (n-1)/n*S/B + (n-1)*alpha
         (Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
         2005). Across hosts two levels: reduce-scatter inside each host, all-reduce of S/k across hosts
         over k parallel rails, all-gather inside (as NCCL's tree/ring hierarchy; Sergeev & Del Balso,
-        Horovod 2018)."""
+        Horovod 2018). All-to-all: pairwise exchange, n - 1 rounds of S/n, (n-1)/n*S/B + (n-1)*alpha
+        (Thakur et al. 2005); across hosts two phases, inside each host then between hosts on every rail
+        (the 2-D hierarchical all-to-all of Tutel, Hwang et al., MLSys'23, Sec. 3.3)."""
         group = list(dict.fromkeys(int(g) for g in group))
         n = len(group)
         if n <= 1 or nbytes <= 0:
             return 0.0
-        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        if kind not in COLLECTIVES:
             raise ValueError(f"unknown collective {kind!r}")
         hosts = self.hosts_of(group)
         if len(hosts) > 1:
             k = min(len(v) for v in hosts.values())
             local = max(hosts.values(), key=len)
             leaders = [v[0] for v in hosts.values()]
+            if kind == "all_to_all":
+                return self._flat(kind, leaders, nbytes) + self.collective_time(kind, local, nbytes)
             per_rail = nbytes / k
             if kind == "all_reduce":
                 return (self.collective_time("reduce_scatter", local, nbytes)
@@ -532,6 +540,7 @@ class Topology:
             return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
         if kind == "broadcast":  # pipelined ring broadcast: ~S/B + (n-1)*alpha
             return nbytes / bw + (n - 1) * alpha
+        # all-gather, reduce-scatter and all-to-all move (n-1)/n of S per rank in n-1 steps
         return (n - 1) / n * nbytes / bw + (n - 1) * alpha
 
     # ------------------------------------------------------------------ summaries

@@ -32,8 +32,9 @@ def simulate_cmd(
                                            help="sequence parallelism for the tensor-parallel layers' token-wise ops"),
     virtual_stages: int = typer.Option(1, "--virtual-stages", min=1,
                                        help="model chunks per pipeline rank (interleaved 1F1B when > 1)"),
-    expert_parallel: int = typer.Option(None, "--expert-parallel", min=1,
-                                        help="expert-parallel group size for mixture-of-experts layers"),
+    expert_parallel: int = typer.Option(1, "--expert-parallel", min=1,
+                                        help="expert-parallel degree: each mixture-of-experts layer's experts "
+                                             "spread over this many data-parallel ranks (tp=1)"),
     objective: str = typer.Option("step_time", "--objective", help="step_time, throughput or latency"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     gantt: str = typer.Option(None, "--gantt", help="write a Gantt chart PNG of the timeline"),
@@ -44,13 +45,10 @@ def simulate_cmd(
         raise PlanError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if recompute not in RECOMPUTE:
         raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-    if expert_parallel is not None and expert_parallel > 1:
-        raise PlanError("--expert-parallel: expert parallelism is not simulated yet (the graphs have no "
-                        "expert-parallel all-to-all yet); leave it out")
-    extras = zero or sequence_parallel or virtual_stages > 1 or recompute != "none"
+    extras = zero or sequence_parallel or virtual_stages > 1 or recompute != "none" or expert_parallel > 1
     if plan and extras:
-        raise PlanError("--zero/--recompute/--sequence-parallel/--virtual-stages build a Megatron template: give "
-                        "them with --tp/--pp/--dp, not with --plan (a plan file carries its own)")
+        raise PlanError("--zero/--recompute/--sequence-parallel/--virtual-stages/--expert-parallel build a Megatron "
+                        "template: give them with --tp/--pp/--dp, not with --plan (a plan file carries its own)")
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if plan and any(x is not None for x in (tp, pp, dp, microbatch_size, global_batch)):
@@ -67,11 +65,12 @@ def simulate_cmd(
         name = f"megatron tp{tp or 1} pp{pp or 1} dp{dp or 1}" + "".join(
             f" {x}" for x, on in ((f"zero{zero}", zero), ("sp", sequence_parallel), (f"v{virtual_stages}",
                                                                                      virtual_stages > 1),
-                                  (f"{recompute} recompute", recompute != "none")) if on)
+                                  (f"{recompute} recompute", recompute != "none"),
+                                  (f"ep{expert_parallel}", expert_parallel > 1)) if on)
         plans = {name: megatron_plan(
             g, topo, tp=tp or 1, pp=pp or 1, dp=dp or 1, microbatch_size=microbatch_size, global_batch=global_batch,
             schedule=schedule, recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-            virtual_stages=virtual_stages)}
+            virtual_stages=virtual_stages, expert_parallel=expert_parallel)}
     else:
         plans = standard_plans(g, topo, global_batch)
     reports: dict[str, StepReport] = {name: simulate(g, topo, p, objective) for name, p in plans.items()}

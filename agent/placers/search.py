@@ -43,8 +43,9 @@ from agent.placers.common import (
     plan_defaults,
     units,
 )
+from envs.errors import PlanError
 from envs.graph import OpGraph
-from envs.plan import Plan, megatron_layouts, recompute_flags, sequence_splittable
+from envs.plan import Plan, expert_layers, megatron_layouts, recompute_flags, sequence_splittable
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=600)
@@ -69,6 +70,32 @@ class PlanSpace:
         self.kw = plan_defaults(graph)
         self.batch = graph.batch_size
         self.seq_ok = sequence_splittable(graph)
+        self.expert_layer, _, self.expert_count = expert_layers(graph)
+        self.moe_layers = sorted({int(x) for x in self.expert_layer if x >= 0})
+
+    def expert_degrees(self, layer: int, dp: int) -> list[int]:
+        """Expert-parallel degrees for an MoE layer whose experts have ``dp`` replicas: 1 and the powers
+        of two dividing both dp and its experts."""
+        e = int(self.expert_count[self.expert_layer == layer].max())
+        return [k for k in divisors(math.gcd(dp, e)) if k & (k - 1) == 0]
+
+    def keep_valid_experts(self, plan: Plan) -> Plan:
+        """``plan`` with every MoE layer whose experts cannot stay expert-parallel after a move (their
+        group, layout or neighbours changed) back to ep = 1 (and ZeRO off where one replica is left)."""
+        if plan.ep.max(initial=1) <= 1:
+            return plan
+        for L in self.moe_layers:
+            sel = self.expert_layer == L
+            if plan.ep[sel].max() <= 1:
+                continue
+            trial = plan.ep.copy()
+            trial[~sel] = 1
+            try:
+                plan.copy(ep=trial)._validate_expert_parallel(self.graph)
+            except PlanError:
+                plan.ep[sel] = 1
+        plan.zero = np.where(plan.dp // plan.ep > 1, plan.zero, 0)
+        return plan
 
     def unit_groups(self, u: int) -> list[tuple[int, ...]]:
         return [g for g in self.groups if self.uallowed[u, list(g)].all()]
@@ -187,6 +214,7 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
     m, sched = plan.microbatches, plan.schedule
     recompute = plan.recompute.copy()
     zero = int(plan.zero.max()) if plan.zero.size else 0
+    ep = plan.ep.copy()
     virtual = plan.virtual_stages
     r = rng.random()
     if r < 0.75:
@@ -230,6 +258,9 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
         if "seq_split" in layouts or any(space.seq_ok[v] and len(groups[v]) // int(dps[v]) > 1 and x == "replicate"
                                          for v, x in enumerate(layouts)):
             knobs["sp"] = 0.10
+        moe = [L for L in space.moe_layers if len(space.expert_degrees(L, int(dps[space.expert_layer == L].min()))) > 1]
+        if moe:
+            knobs["ep"] = 0.15
         names = list(knobs)
         w = np.array([knobs[k] for k in names])
         knob = names[int(rng.choice(len(names), p=w / w.sum()))]
@@ -248,6 +279,11 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
             recompute = recompute_flags(graph, modes[int(rng.integers(len(modes)))])
         elif knob == "zero":
             zero = int(rng.choice([z for z in (0, 1, 2, 3) if z != zero]))
+        elif knob == "ep":  # one MoE layer's expert-parallel degree
+            L = moe[int(rng.integers(len(moe)))]
+            sel = space.expert_layer == L
+            degrees = [k for k in space.expert_degrees(L, int(dps[sel].min())) if k != int(ep[sel].max())]
+            ep[sel] = degrees[int(rng.integers(len(degrees)))]
         else:  # sequence parallelism on / off
             if "seq_split" in layouts:
                 layouts = ["replicate" if x == "seq_split" else x for x in layouts]
@@ -257,8 +293,9 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
     # a sequence split needs a tensor-parallel group: nodes moved off one go back to replicate
     layouts = ["replicate" if x == "seq_split" and len(groups[v]) // int(dps[v]) < 2 else x
                for v, x in enumerate(layouts)]
-    return Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched, recompute=recompute,
-                zero=np.where(dps > 1, zero, 0), virtual_stages=virtual, **space.kw)
+    plan = Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched, recompute=recompute,
+                zero=np.where(dps // ep > 1, zero, 0), virtual_stages=virtual, ep=ep, **space.kw)
+    return space.keep_valid_experts(plan)
 
 
 def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) -> Plan:

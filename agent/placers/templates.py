@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from agent.placers.common import (
@@ -28,7 +30,7 @@ from agent.placers.common import (
 )
 from envs.errors import PlanError
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
-from envs.plan import Plan, contiguous_stages, megatron_plan
+from envs.plan import Plan, contiguous_stages, expert_layers, megatron_plan
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=400)
@@ -114,24 +116,39 @@ def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
 CHOICES = ("all", "classic")  # megatron_3d's space: today's choices, or the 2021 one (recompute none/full)
 
 
-def memory_options(tp: int, pp: int, dp: int, choices: str = "all") -> tuple[list[dict], list[dict]]:
+def expert_choices(dp: int, tp: int, experts: int) -> list[int]:
+    """Expert-parallel degrees a user sweeps for ``experts`` experts per layer: 1 and the powers of two
+    > 1 dividing both dp and the experts (tp = 1: the EP groups are data-parallel ranks), the largest
+    three of them."""
+    if experts < 2 or tp > 1 or dp < 2:
+        return [1]
+    eps = [e for e in divisors(math.gcd(dp, experts)) if e > 1 and e & (e - 1) == 0]
+    return [1] + eps[-3:]
+
+
+def memory_options(tp: int, pp: int, dp: int, choices: str = "all", experts: int = 0) -> tuple[list[dict], list[dict]]:
     """The per-configuration settings a user sweeps, as (always tried, tried in turn while everything
     so far runs out of memory): without and with sequence parallelism (tp > 1), without and with ZeRO-1
-    (dp > 1); then selective recomputation, ZeRO-2 and ZeRO-3 (dp > 1 and no pipeline: DeepSpeed's and
-    Megatron-LM's FSDP refuse ZeRO-2/3 with pipeline parallelism) and full recomputation. ``classic``:
-    no ZeRO, no sequence parallelism, recomputation none or full (the plan space before them)."""
+    (dp > 1), each expert-parallel degree of :func:`expert_choices` (mixture-of-experts models with
+    ``experts`` experts per layer); then, with the largest expert-parallel degree, selective
+    recomputation, ZeRO-2 and ZeRO-3 (dp > 1 and no pipeline: DeepSpeed's and Megatron-LM's FSDP refuse
+    ZeRO-2/3 with pipeline parallelism) and full recomputation. ``classic``: no ZeRO, no sequence or
+    expert parallelism, recomputation none or full (the plan space before them)."""
     if choices == "classic":
         return [dict(zero=0, sequence_parallel=False, recompute="none")], \
             [dict(zero=0, sequence_parallel=False, recompute="full")]
     sps = (False, True) if tp > 1 else (False,)
     zeros = (0, 1) if dp > 1 else (0,)
-    always = [dict(zero=z, sequence_parallel=sp, recompute="none") for z in zeros for sp in sps]
-    sp, z1 = tp > 1, 1 if dp > 1 else 0
-    savers = [dict(zero=z1, sequence_parallel=sp, recompute="selective")]
+    eps = expert_choices(dp, tp, experts)
+    always = [dict(zero=z, sequence_parallel=sp, recompute="none", expert_parallel=e)
+              for e in eps for z in zeros for sp in sps]
+    sp, z1, ep = tp > 1, 1 if dp > 1 else 0, eps[-1]
+    savers = [dict(zero=z1, sequence_parallel=sp, recompute="selective", expert_parallel=ep)]
     if dp > 1 and pp == 1:
-        savers += [dict(zero=2, sequence_parallel=sp, recompute="selective"),
-                   dict(zero=3, sequence_parallel=sp, recompute="selective")]
-    savers.append(dict(zero=3 if dp > 1 and pp == 1 else z1, sequence_parallel=sp, recompute="full"))
+        savers += [dict(zero=2, sequence_parallel=sp, recompute="selective", expert_parallel=ep),
+                   dict(zero=3, sequence_parallel=sp, recompute="selective", expert_parallel=ep)]
+    savers.append(dict(zero=3 if dp > 1 and pp == 1 else z1, sequence_parallel=sp, recompute="full",
+                       expert_parallel=ep))
     return always, savers
 
 
@@ -163,10 +180,12 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
             best = (out, plan, cfg, {**opts, "virtual_stages": v})
         return out
 
+    elayer, _, ecount = expert_layers(graph)
+    experts = math.gcd(*(int(c) for c in ecount[elayer >= 0]))  # 0 without experts
     for cfg in megatron_configs(graph, topology):
         if best is not None and scorer.exhausted():
             break
-        always, savers = memory_options(cfg["tp"], cfg["pp"], cfg["dp"], choices)
+        always, savers = memory_options(cfg["tp"], cfg["pp"], cfg["dp"], choices, experts)
         results = [(score(cfg, o), o) for o in always]
         if results[0][0] is None:
             continue  # the configuration itself is invalid for this graph

@@ -311,9 +311,10 @@ class CompiledSimulator:
                  tail: bool = True) -> StepReport:
         """StepReport of ``plan`` (objective ``step_time`` or ``latency``); the plan is not validated.
         (``tail=False`` leaves out the gradient all-reduce and optimizer: the stage model's use.)"""
-        if plan.virtual_stages > 1 and objective != "latency":
+        if (plan.virtual_stages > 1 and objective != "latency") or plan.ep.max(initial=1) > 1:
             # interleaved 1F1B: its priorities are not affine in the microbatch, which the kernel's
-            # are; the reference builder is the specification and is used as is
+            # are; expert parallelism: its all-to-alls join many producers to many consumers, which the
+            # kernel's edge groups do not; the reference builder is the specification and is used as is
             from envs.sim.reference import simulate_reference
 
             return simulate_reference(self.graph, self.topology, plan, objective, timeline=timeline)
@@ -327,7 +328,8 @@ class CompiledSimulator:
         group size for batch_split, else 1): the same result as a full evaluation of the modified
         plan. ``plan`` may be the PlanArrays of a previous call (``report.plan_arrays``) or None for
         the last plan evaluated; a Plan is converted (and then cached as the last one)."""
-        if plan is not None and not isinstance(plan, PlanArrays) and plan.virtual_stages > 1:
+        if plan is not None and not isinstance(plan, PlanArrays) and (plan.virtual_stages > 1
+                                                                      or plan.ep.max(initial=1) > 1):
             moved = plan.copy()
             moved.groups[node] = tuple(int(d) for d in group)
             moved.layouts[node] = layout

@@ -7,6 +7,8 @@ max-load model (:mod:`envs.sim.throughput`) take every duration and every rule f
 - :class:`StepReport`, the result of a simulation, and the task kinds of its timeline;
 - the tensor layout states and the rules of which state a node produces and requires;
 - :func:`node_times` (per-op forward/backward time) and :func:`memory` (peak bytes per device);
+- :func:`expert_hosts` and :func:`expert_exchanges`: where expert parallelism puts each expert and the
+  all-to-alls that dispatch tokens to the experts and combine them back;
 - :class:`CommTimes` (collective and transfer times, cached) and the device-group helpers;
 - :func:`layout_crossing`: the communication a tensor needs between its producer's and its
   consumer's layouts (written once; both builders emit exactly these tasks).
@@ -22,7 +24,7 @@ import numpy as np
 from numba import njit
 
 from envs.graph import OpGraph
-from envs.plan import DTYPE_BYTES, Plan, layer_ids
+from envs.plan import DTYPE_BYTES, Plan, expert_layers, layer_ids
 from envs.topology import Topology
 
 # layout states of a tensor: full, a feature shard (tensor-parallel split), partial sums (to be reduced),
@@ -316,9 +318,66 @@ def node_times(graph: OpGraph, topology: Topology, plan: Plan, scale: float, lat
         present = np.zeros((n, len(specs)), dtype=bool)
         for v, g in enumerate(plan.groups):
             present[v, dev_spec[list(g)]] = True
-    t = group_op_times(graph, specs, present, np.arange(n), scale / dp, split, layout,
+    # a replica's share of the microbatch: an expert under expert parallelism computes the tokens of its
+    # ep data-parallel ranks (dp / ep replicas)
+    replicas = dp // np.asarray(plan.ep, dtype=np.int64)
+    t = group_op_times(graph, specs, present, np.arange(n), scale / replicas, split, layout,
                        DTYPE_BYTES.get(plan.dtype, 2))
-    return finish_op_times(t, np.asarray(plan.recompute, dtype=bool), dp, latency)
+    return finish_op_times(t, np.asarray(plan.recompute, dtype=bool), replicas, latency)
+
+
+def expert_hosts(graph: OpGraph, plan: Plan) -> list[tuple[int, ...]]:
+    """Per node the devices that compute it and hold its weights: its device group, or for an expert
+    under expert parallelism its EP rank j in every EP group (EP groups of ep consecutive data-parallel
+    ranks, rank j holding experts j*E/ep .. (j+1)*E/ep - 1: DeepSpeed-MoE's and Megatron-LM's placement)."""
+    hosts = list(plan.groups)
+    if plan.ep.max(initial=1) <= 1:
+        return hosts
+    _, index, count = expert_layers(graph)
+    for v in np.flatnonzero(plan.ep > 1).tolist():
+        g, dp, ep = plan.groups[v], int(plan.dp[v]), int(plan.ep[v])
+        j = int(index[v]) // (int(count[v]) // ep)
+        hosts[v] = tuple(g[q * ep + j] for q in range(dp // ep))
+    return hosts
+
+
+class ExpertExchange(NamedTuple):
+    """One all-to-all of an expert-parallel layer per microbatch: the dispatch (tokens to their experts)
+    or the combine (expert outputs back to their tokens' ranks), its gradient the reverse all-to-all."""
+
+    label: str  # "dispatch" or "combine" and the layer
+    producers: list[int]  # nodes whose outputs it carries
+    consumers: list[int]  # nodes that read them
+    group: tuple[int, ...]  # the experts' data-parallel group (the all-to-alls run in each EP group of it)
+    ep_group: tuple[int, ...]  # the first EP group
+    nbytes: float  # each rank's send buffer for the traced batch (scale it by the microbatch share)
+    replay: bool  # the experts are recomputed: the dispatch runs again in the backward
+
+
+def expert_exchanges(graph: OpGraph, plan: Plan) -> list[ExpertExchange]:
+    """The dispatch and combine all-to-alls of every expert-parallel layer, in layer order: the edges
+    entering its experts from outside them (dispatch) and leaving them (combine); each rank sends its
+    share of those tensors (1/dp), 1/ep of it to each rank of its EP group (Lepikhin et al., GShard,
+    2021; Rajbhandari et al., DeepSpeed-MoE, ICML'22)."""
+    if plan.ep.max(initial=1) <= 1:
+        return []
+    layer, index, _ = expert_layers(graph)
+    out: list[ExpertExchange] = []
+    for L in sorted({int(x) for x in layer[plan.ep > 1]}):
+        members = np.flatnonzero(layer == L)
+        v0 = int(members[0])
+        g, dp, ep = plan.groups[v0], int(plan.dp[v0]), int(plan.ep[v0])
+        inside = (layer[graph.edge_src] == layer[graph.edge_dst]) & (index[graph.edge_src] == index[graph.edge_dst])
+        for what, expert_end in (("dispatch", graph.edge_dst), ("combine", graph.edge_src)):
+            sel = np.flatnonzero((layer[expert_end] == L) & ~inside)
+            if not sel.size:
+                continue
+            prods = sorted({int(x) for x in (graph.edge_src[sel])})
+            cons = sorted({int(x) for x in (graph.edge_dst[sel])})
+            replay = what == "dispatch" and bool(plan.recompute[members].any())
+            out.append(ExpertExchange(f"{what} {graph.module_paths[v0].rsplit('.experts', 1)[0]}", prods, cons, g,
+                                      g[:ep], float(graph.edge_bytes[sel].sum()) / dp, replay))
+    return out
 
 
 def model_state_bytes(params: float, state_bytes_per_param: float, param_bytes: float, zero: int, dp: int) -> float:
@@ -373,7 +432,8 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     scale = 1.0 / graph.batch_size if objective == "latency" else plan.microbatch_size(graph) / graph.batch_size
     pred = graph.predecessor_lists()
     lid = layer_ids(graph)
-    region = [(plan.groups[v], int(lid[v]) if lid[v] >= 0 else -1 - v) for v in range(graph.num_nodes)]
+    hosts = expert_hosts(graph, plan)
+    region = [(hosts[v], int(lid[v]) if lid[v] >= 0 else -1 - v) for v in range(graph.num_nodes)]
     region_bytes: dict[tuple, float] = {}
     counted: set = set()
     V = int(plan.virtual_stages)
@@ -400,8 +460,8 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     for v in range(graph.num_nodes):
         g = plan.groups[v]
         lay = plan.layouts[v]
-        dp = int(plan.dp[v])
-        tp = len(g) // dp
+        tp = len(g) // int(plan.dp[v])
+        dp = plan.replicas(v)  # the replicas (an expert-parallel expert: one per EP group)
         split = tp if is_tensor_split(lay) else 1
         params = graph.param_bytes[v] / pbytes / split
         if objective == "latency" or graph.meta.get("memory_model") == "param_bytes":
@@ -425,7 +485,7 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
                 # one device group), unless their producer stashes them already
                 stash = 0.0
                 for p in pred[v]:
-                    if region[p] != region[v] and (plan.recompute[p] or plan.groups[p] != g) \
+                    if region[p] != region[v] and (plan.recompute[p] or hosts[p] != hosts[v]) \
                             and (p, region[v]) not in counted:
                         counted.add((p, region[v]))
                         stash += graph.out_bytes[p] * scale / dp / (tp if plan.layouts[p] in ("col_split", "seq_split")
@@ -435,7 +495,7 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
                 stash = stash_of(v, dp)
         grad = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
         full_w = graph.param_bytes[v] / split if plan.zero[v] >= 3 and dp > 1 and objective != "latency" else 0.0
-        for d in g:
+        for d in hosts[v]:
             states[d] += st
             acts[d] += stash * inflight
             accumulate[d] = max(accumulate[d], grad)

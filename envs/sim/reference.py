@@ -18,10 +18,14 @@
    a reduce-scatter instead under ZeRO (stage 1 once per step, like Megatron-LM's distributed
    optimizer; stages 2-3 after every microbatch, the gradients being sharded); sequence-parallel
    weights (LayerNorm) all-reduced over the whole tensor x data group;
-6. the optimizer update per device after its gradients are synchronised (over its shard under ZeRO);
+6. expert parallelism: per expert-parallel layer and microbatch the all-to-all that dispatches the
+   tokens to the experts' devices and the one that combines the outputs back (and their gradients'
+   reverse all-to-alls; the dispatch again in the backward when the experts are recomputed); each
+   expert runs on its EP rank of every EP group (:func:`envs.sim.cost.expert_hosts`);
+7. the optimizer update per device after its gradients are synchronised (over its shard under ZeRO);
    under ZeRO-1/2 the updated weights all-gathered after it, per bucket (ZeRO's 2x all-reduce volume
    in total: reduce-scatter + all-gather; Rajbhandari et al., SC'20, Sec. 7);
-7. the list schedule on device resources, and the report.
+8. the list schedule on device resources, and the report.
 
 Interleaved 1F1B (``virtual_stages`` v > 1): each device runs its v model chunks p microbatches at a
 time; priorities follow each device's sequence of chunk-microbatches, and the forward of the j-th
@@ -53,6 +57,8 @@ from envs.sim.cost import (
     StepReport,
     column_weighted,
     dp_groups,
+    expert_exchanges,
+    expert_hosts,
     is_tensor_split,
     layout_crossing,
     memory,
@@ -76,6 +82,7 @@ def simulate_reference(graph: OpGraph, topology: Topology, plan: Plan, objective
     if not step.latency:
         _pipeline_constraints(step, tasks, F, B)
     _edge_group_communication(step, tasks, F, B)
+    _expert_all_to_alls(step, tasks, F, B)
     if not step.latency:
         _zero3_gathers(step, tasks, F, B)
         grad_syncs, gathers = _gradient_buckets(step, tasks, B)
@@ -99,6 +106,7 @@ class _Step:
         self.topo_pos[graph.topological_order()] = np.arange(n)
         self.fwd, self.bwd, self.host_fwd, self.host_bwd, _ = node_times(graph, topology, plan, self.scale, latency)
         self.comm = CommTimes(topology)
+        self.hosts = expert_hosts(graph, plan)  # who computes each node (its group unless an expert under EP)
         self.gpipe = plan.schedule == "gpipe"
         self._N = float(n + 1)
         self.V = 1 if latency else int(plan.virtual_stages)
@@ -176,7 +184,7 @@ def _compute_tasks(s: _Step, T: _TaskGraph) -> tuple[np.ndarray, np.ndarray | No
     F = np.empty((n, m), dtype=np.int64)
     B = np.empty((n, m), dtype=np.int64) if not s.latency else None
     for v in range(n):
-        g = s.plan.groups[v]
+        g = s.hosts[v]
         name = s.graph.names[v]
         for k in range(m):
             F[v, k] = T.add(s.fwd[v], s.prio(v, k, False), g, KIND_COMPUTE, f"F {name} mb{k}", host=s.host_fwd[v])
@@ -266,6 +274,40 @@ def _edge_group_communication(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndar
                         [int(B[u, k])])
 
 
+def _expert_all_to_alls(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray | None) -> None:
+    """Per expert-parallel layer, exchange and microbatch: the all-to-all in every EP group of the
+    experts' group at once (one task on all its ports), after its producers' forwards and before its
+    consumers'; its gradient's all-to-all after the consumers' backwards and before the producers'.
+    A recomputed layer dispatches again in the backward, before the experts' backwards (Megatron-LM and
+    DeepSpeed re-run the layer's forward, its all-to-alls included)."""
+    for ex in expert_exchanges(s.graph, s.plan):
+        t = s.comm.collective("all_to_all", ex.ep_group, ex.nbytes * s.scale)
+        host, _ = s.comm.host(tuple(sorted(ex.group)), transfer=False)
+        g = ex.group
+        for k in range(s.m):
+            pr_f = min(s.prio(v, k, False) for v in ex.consumers)
+            a = T.add(t, pr_f, g, KIND_COMM, f"alltoall {ex.label} mb{k}", (g, g), host)
+            for u in ex.producers:
+                T.dep(int(F[u, k]), a)
+            for v in ex.consumers:
+                T.dep(a, int(F[v, k]))
+            if s.latency:
+                continue
+            pr_b = min(s.prio(u, k, True) for u in ex.producers)
+            b = T.add(t, pr_b, g, KIND_COMM, f"alltoall grad {ex.label} mb{k}", (g, g), host)
+            for v in ex.consumers:
+                T.dep(int(B[v, k]), b)
+            for u in ex.producers:
+                T.dep(b, int(B[u, k]))
+            if ex.replay:
+                pr_r = min(s.prio(v, k, True) for v in ex.consumers)
+                r = T.add(t, pr_r, g, KIND_COMM, f"re-alltoall {ex.label} mb{k}", (g, g), host)
+                for u in ex.producers:
+                    T.dep(int(F[u, k]), r)
+                for v in ex.consumers:
+                    T.dep(r, int(B[v, k]))
+
+
 def _ddp_buckets(nodes: list[int], nbytes: list[float]):
     """(bucket, bytes): nodes in order, a bucket closed once it holds DDP_BUCKET_BYTES or more."""
     bucket: list[int] = []
@@ -287,16 +329,17 @@ def _zero3_gathers(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray) -> Non
     one node ahead: the gather waits for the compute of the sharded node two before it on the group."""
     graph, plan = s.graph, s.plan
     order = [int(v) for v in graph.topological_order()
-             if plan.zero[v] >= 3 and plan.dp[v] > 1 and graph.param_bytes[v] > 0]
+             if plan.zero[v] >= 3 and plan.replicas(v) > 1 and graph.param_bytes[v] > 0]
     if not order:
         return
     by_group: dict[tuple, list[int]] = {}
     for v in order:
-        by_group.setdefault(plan.groups[v], []).append(v)
+        by_group.setdefault(s.hosts[v], []).append(v)
     for v in order:
-        g, dp = plan.groups[v], int(plan.dp[v])
+        g, dp = s.hosts[v], int(plan.dp[v])
         split = (len(g) // dp) if is_tensor_split(plan.layouts[v]) else 1
-        t = s.comm.collective("all_gather", dp_groups(g, dp)[0], graph.param_bytes[v] / split)
+        members = dp_groups(g, dp)[0] if plan.ep[v] <= 1 else g
+        t = s.comm.collective("all_gather", members, graph.param_bytes[v] / split)
         host, _ = s.comm.host(tuple(sorted(set(g))), transfer=False)
         nodes = by_group[g]
         i = nodes.index(v)
@@ -325,8 +368,9 @@ def _gradient_buckets(s: _Step, T: _TaskGraph, B: np.ndarray) -> tuple[dict[int,
     for v in np.argsort(-s.topo_pos, kind="stable"):
         v = int(v)
         seq = plan.layouts[v] == "seq_split"
-        if graph.param_bytes[v] > 0 and (plan.dp[v] > 1 or seq):
-            key = (plan.groups[v], int(plan.dp[v]), is_tensor_split(plan.layouts[v]), int(plan.zero[v]), seq)
+        if graph.param_bytes[v] > 0 and (plan.replicas(v) > 1 or seq):
+            key = (s.hosts[v], int(plan.dp[v]) // int(plan.ep[v]), is_tensor_split(plan.layouts[v]),
+                   int(plan.zero[v]), seq)
             replica_sets.setdefault(key, []).append(v)
     syncs: dict[int, list[int]] = {d: [] for d in range(s.nd)}
     gathers: list = []
@@ -362,12 +406,12 @@ def _optimizer_updates(s: _Step, T: _TaskGraph, B: np.ndarray, grad_syncs: dict[
         g, lay = plan.groups[v], plan.layouts[v]
         dp = int(plan.dp[v])
         split = (len(g) // dp) if is_tensor_split(lay) else 1
-        shard = dp if plan.zero[v] >= 1 else 1
-        for d in g:
+        shard = plan.replicas(v) if plan.zero[v] >= 1 else 1
+        for d in s.hosts[v]:
             params_dev[d] += graph.param_bytes[v] / pbytes / split / shard
     last_b: dict[int, list[int]] = {d: [] for d in range(nd)}
     for v in range(s.n):
-        for d in plan.groups[v]:
+        for d in s.hosts[v]:
             last_b[d].append(int(B[v, m - 1]))
     out: dict[int, int] = {}
     for d in range(nd):

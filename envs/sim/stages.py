@@ -54,6 +54,8 @@ def stage_structure(graph: OpGraph, plan: Plan, objective: str = "step_time") ->
         return "ZeRO-2/3 synchronise gradients after every microbatch (the stage model has one tail per step)"
     if plan.virtual_stages > 1:
         return "interleaved pipeline (virtual stages): its chunks do not form a chain of stages"
+    if plan.ep.max(initial=1) > 1:
+        return "expert parallelism: its experts run on parts of their stage's group"
     stage, p = plan.stages(graph)
     groups: list[tuple[int, ...] | None] = [None] * p
     for v in range(graph.num_nodes):
@@ -151,7 +153,8 @@ def _stage_blocks(graph: OpGraph, topology: Topology, plan: Plan, ss: StageStruc
         bl.last_pos[s] = tpos[keep].max()
         sub = _subgraph(graph, keep)
         sp = plan.copy(groups=[plan.groups[i] for i in keep], layouts=[plan.layouts[i] for i in keep],
-                       dp=plan.dp[keep], recompute=plan.recompute[keep], zero=plan.zero[keep], microbatches=1,
+                       dp=plan.dp[keep], recompute=plan.recompute[keep], zero=plan.zero[keep], ep=plan.ep[keep],
+                       microbatches=1,
                        global_batch=mb, virtual_stages=1)
         sim = CompiledSimulator(sub, topology, comm=full.comm)  # sharing the collective-time cache
         r0 = sim.evaluate(sp, "step_time", timeline=True, tail=False)

@@ -10,7 +10,17 @@ import numpy as np
 
 from envs.graph import OpGraph
 from envs.plan import Plan
-from envs.sim.cost import CommTimes, StepReport, dp_groups, is_tensor_split, memory, node_times, tp_groups
+from envs.sim.cost import (
+    CommTimes,
+    StepReport,
+    dp_groups,
+    expert_exchanges,
+    expert_hosts,
+    is_tensor_split,
+    memory,
+    node_times,
+    tp_groups,
+)
 from envs.topology import Topology
 
 
@@ -30,8 +40,9 @@ def simulate_throughput(graph: OpGraph, topology: Topology, plan: Plan) -> StepR
     fwd_t, bwd_t = node_times(graph, topology, plan, scale)[:2]
     comm = CommTimes(topology)
     load_c = np.zeros(nd)
+    hosts = expert_hosts(graph, plan)
     for v in range(graph.num_nodes):
-        for d in set(plan.groups[v]):
+        for d in set(hosts[v]):
             load_c[d] += fwd_t[v] + bwd_t[v]
     pays = np.array([d.pays_comm for d in topology.devices])
     load_m = np.zeros(nd)
@@ -84,7 +95,18 @@ def _collective_load(graph: OpGraph, plan: Plan, comm: CommTimes, scale: float, 
     """Re-layout collectives per microbatch (row-split outputs all-reduced forward, column-split
     linears' input gradients backward) and the gradient all-reduce amortised over the microbatches."""
     m = plan.microbatches
+    for ex in expert_exchanges(graph, plan):  # dispatch / combine all-to-all and its gradient's
+        t = 2 * comm.collective("all_to_all", ex.ep_group, ex.nbytes * scale)
+        for d in ex.group:
+            load_m[d] += t * pays[d]
+    hosts = expert_hosts(graph, plan)
     for v in range(graph.num_nodes):
+        if plan.ep[v] > 1:
+            if graph.param_bytes[v] > 0 and plan.replicas(v) > 1:
+                t = comm.collective("all_reduce", hosts[v], graph.param_bytes[v])
+                for d in hosts[v]:
+                    load_m[d] += t / m * pays[d]
+            continue
         g, lay, dp = plan.groups[v], plan.layouts[v], int(plan.dp[v])
         tp = len(g) // dp
         if lay == "row_split" and tp > 1:
