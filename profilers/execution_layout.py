@@ -74,6 +74,14 @@ Which plans run (everything else is refused with an :class:`ExecutionError` that
   context (``create_selective_checkpoint_contexts``) whose policy recomputes the attention core's ops
   (SDPA kernels, softmax, dropout, activation ``bmm``) and saves every other op's output; otherwise the
   whole block (non-reentrant ``torch.utils.checkpoint``).
+* **expert parallel** (``Plan.ep`` > 1 on the experts of a mixture-of-experts layer): zoo ``MoE`` layers
+  only (``profilers.zoo.MoE``: dense dispatch and combine einsums), one degree per layer dividing dp
+  and the layer's experts, EP rank j of each EP group (``ep`` consecutive data-parallel replicas)
+  holding experts ``j*E/ep .. (j+1)*E/ep - 1`` (``envs.sim.cost.expert_hosts``); tokens exchanged with
+  ``all_to_all_single`` (:mod:`profilers.expert_parallel`), the experts' gradients reduced over their
+  own replicas. Refused: with pipeline stages (pp > 1), ZeRO-2/3 (FSDP2 would shard a rank's own
+  experts over the whole data-parallel group), ZeRO-1 on experts with a single replica, placements
+  other than the one above.
 """
 
 from __future__ import annotations
@@ -286,6 +294,28 @@ class StageLayout:
 
 
 @dataclass
+class ExpertLayout:
+    """One expert-parallel mixture-of-experts layer (a zoo ``MoE`` at ``path``): its ``experts`` split over
+    EP groups of ``ep`` consecutive data-parallel replicas, ``hosts[e]`` the replicas holding expert e
+    (``envs.sim.cost.expert_hosts``: EP rank j of every EP group holds experts j*E/ep .. (j+1)*E/ep - 1),
+    ``zero`` the ZeRO stage (0 or 1) of its experts over their replicas."""
+
+    path: str
+    ep: int
+    experts: int
+    hosts: list[tuple[int, ...]]
+    zero: int = 0
+
+    def local_experts(self, replica: int) -> list[int]:
+        """The experts data-parallel replica ``replica`` keeps (and computes for its EP group)."""
+        return [e for e, h in enumerate(self.hosts) if replica in h]
+
+    def replica_group(self, replica: int) -> list[int]:
+        """The replicas holding the same experts as ``replica`` (its expert-data-parallel group)."""
+        return list(self.hosts[self.local_experts(replica)[0]])
+
+
+@dataclass
 class ExecLayout:
     """How a plan runs: ``pp x dp x tp`` ranks, its stages (``pp * virtual_stages`` model chunks when
     interleaved: chunk ``c`` on pipeline rank ``c % pp``), microbatches and schedule."""
@@ -299,6 +329,7 @@ class ExecLayout:
     batch: int
     num_blocks: int
     virtual_stages: int = 1
+    experts: list[ExpertLayout] = field(default_factory=list)  # the expert-parallel MoE layers
 
     @property
     def world_size(self) -> int:
@@ -334,6 +365,8 @@ class ExecLayout:
             parts.append("selective recompute")
         if any(s == "seq" or s.endswith("_seq") for st in self.stages for s in st.tp_styles.values()):
             parts.append("sequence parallel")
+        if self.experts:
+            parts.append("expert parallel ep=" + "/".join(sorted({str(x.ep) for x in self.experts})))
         return ", ".join(parts)
 
 
@@ -415,9 +448,11 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
     stages = [StageLayout(c, groups[c % pp], [b for b in range(len(blocks)) if block_unit[b] == c])
               for c in range(n_units)]
     _recompute(plan, graph, nb, block_unit, stages)
-    for s, z in enumerate(_zero_stages(plan, graph, stage_of, pp, dp)):
+    in_ep = _expert_parallel_nodes(plan, graph)
+    for s, z in enumerate(_zero_stages(plan, graph, stage_of, pp, dp, in_ep)):
         for c in range(s, n_units, pp):
             stages[c].zero = z
+    experts = _expert_layouts(plan, graph, model, in_ep, pp, dp, stages[0].zero) if in_ep.any() else []
     if tp > 1:
         _TensorParallelLayout(plan, graph, model, unit_of, stages, tp).fill()
     else:
@@ -426,7 +461,7 @@ def analyze(plan: Plan, graph: OpGraph, model: nn.Module) -> ExecLayout:
         if bad:
             raise ExecutionError(f"node {graph.names[bad[0]]!r} is {plan.layouts[bad[0]]} but its stage has tp=1")
     return ExecLayout(pp=pp, dp=dp, tp=tp, stages=stages, microbatches=m, schedule=plan.schedule, batch=batch,
-                      num_blocks=len(blocks), virtual_stages=vs)
+                      num_blocks=len(blocks), virtual_stages=vs, experts=experts)
 
 
 def _check_interleaving(plan: Plan, graph: OpGraph, stage_of: np.ndarray, chunk_of: np.ndarray, n_chunks: int,
@@ -474,12 +509,15 @@ def _recompute(plan: Plan, graph: OpGraph, nb: np.ndarray, block_unit: np.ndarra
             st.recompute.append(b)
 
 
-def _zero_stages(plan: Plan, graph: OpGraph, stage_of: np.ndarray, pp: int, dp: int) -> list[int]:
-    """The ZeRO stage of each pipeline stage: one value over its weighted nodes."""
+def _zero_stages(plan: Plan, graph: OpGraph, stage_of: np.ndarray, pp: int, dp: int,
+                 skip: np.ndarray | None = None) -> list[int]:
+    """The ZeRO stage of each pipeline stage: one value over its weighted nodes (but the ``skip`` ones:
+    expert-parallel experts, sharded over their own replicas, :func:`_expert_layouts`)."""
     out = []
     zero = getattr(plan, "zero", None)
     for s in range(pp):
-        nodes = [v for v in range(graph.num_nodes) if stage_of[v] == s and graph.param_bytes[v] > 0]
+        nodes = [v for v in range(graph.num_nodes) if stage_of[v] == s and graph.param_bytes[v] > 0
+                 and (skip is None or not skip[v])]
         by_stage: dict[int, str] = {}
         for v in nodes:
             by_stage.setdefault(int(zero[v]) if zero is not None else 0, graph.names[v])
@@ -495,6 +533,83 @@ def _zero_stages(plan: Plan, graph: OpGraph, stage_of: np.ndarray, pp: int, dp: 
             raise ExecutionError(f"node {by_stage[z]!r}: ZeRO stage {z} needs data parallelism (dp >= 2), "
                                  f"but pipeline stage {s} has dp={dp}")
         out.append(z)
+    return out
+
+
+def _expert_parallel_nodes(plan: Plan, graph: OpGraph) -> np.ndarray:
+    """Per node: an expert of a layer with expert-parallel degree > 1 (``Plan.ep``)."""
+    ep = getattr(plan, "ep", None)
+    if ep is None or int(np.max(ep, initial=1)) <= 1:
+        return np.zeros(graph.num_nodes, dtype=bool)
+    from envs.plan import expert_layers
+
+    layer = expert_layers(graph)[0]
+    on = np.zeros(graph.num_nodes, dtype=bool)
+    for L in {int(x) for x in layer[(ep > 1) & (layer >= 0)]}:
+        on |= layer == L
+    if ((ep > 1) & ~on).any():
+        v = int(np.flatnonzero((ep > 1) & ~on)[0])
+        raise ExecutionError(f"node {graph.names[v]!r} is not an expert, but has expert-parallel degree {int(ep[v])}")
+    return on
+
+
+def _expert_layouts(plan: Plan, graph: OpGraph, model: nn.Module, in_ep: np.ndarray, pp: int, dp: int,
+                    stage_zero: int) -> list[ExpertLayout]:
+    """The expert-parallel MoE layers: zoo ``MoE`` modules, one ep per layer dividing dp and the experts,
+    without pipeline stages or ZeRO-2/3, their experts placed as ``envs.sim.cost.expert_hosts`` says."""
+    from envs.plan import expert_layers
+    from envs.sim.cost import expert_hosts
+    from profilers.zoo import MoE
+
+    ep_max = int(plan.ep[in_ep].max())
+    if pp > 1:
+        raise ExecutionError(f"expert parallelism (ep={ep_max}) with pipeline parallelism (pp={pp}) is not supported "
+                             "by the executor: the experts' all-to-alls and replica-group gradient reduction run "
+                             "only in the non-pipelined data-parallel program; use pp=1")
+    if stage_zero >= 2:
+        raise ExecutionError(f"expert parallelism (ep={ep_max}) with ZeRO stage {stage_zero} is not supported by the "
+                             "executor: FSDP2 would shard each rank's own experts over the whole data-parallel "
+                             "group, not over each expert's replicas; use ZeRO stage 0 or 1")
+    layer, index, _ = expert_layers(graph)
+    hosts = expert_hosts(graph, plan)
+    out = []
+    for L in sorted({int(x) for x in layer[in_ep]}):
+        members = np.flatnonzero(layer == L)
+        v0 = int(members[0])
+        path = graph.module_paths[v0].rsplit(".experts.", 1)[0]
+        mod = _module_at(model, path)
+        if not isinstance(mod, MoE):
+            raise ExecutionError(f"node {graph.names[v0]!r}: expert parallelism runs only on zoo MoE layers "
+                                 f"(profilers.zoo.MoE: dense dispatch and combine), not on module {path!r} "
+                                 f"({type(mod).__name__})")
+        eps = {int(plan.ep[v]) for v in members}
+        if len(eps) > 1:
+            raise ExecutionError(f"the experts of {path!r} differ in expert-parallel degree ({sorted(eps)}); "
+                                 "a layer's experts are spread over one EP group size")
+        ep = eps.pop()
+        if dp % ep or mod.n % ep:
+            raise ExecutionError(f"{path!r}: expert-parallel degree {ep} must divide dp={dp} and the layer's "
+                                 f"{mod.n} experts")
+        zeros = {int(plan.zero[v]) for v in members if graph.param_bytes[v] > 0}
+        if len(zeros) > 1:
+            raise ExecutionError(f"the experts of {path!r} mix ZeRO stages {sorted(zeros)}")
+        zero = zeros.pop() if zeros else 0
+        if zero >= 2:
+            raise ExecutionError(f"{path!r}: ZeRO stage {zero} on expert-parallel experts is not supported by the "
+                                 "executor (FSDP2 over each expert's replicas); use ZeRO stage 0 or 1")
+        if zero and dp // ep < 2:
+            raise ExecutionError(f"{path!r}: ZeRO stage {zero} needs at least 2 replicas of each expert, but "
+                                 f"dp={dp} with ep={ep} keeps one")
+        group = plan.groups[v0]
+        per_expert: list[tuple[int, ...]] = [()] * mod.n
+        for v in members.tolist():
+            per_expert[int(index[v])] = tuple(group.index(d) for d in hosts[v])
+        per = mod.n // ep
+        want = [tuple(q * ep + e // per for q in range(dp // ep)) for e in range(mod.n)]
+        if per_expert != want:  # the exchange sends expert block j to EP rank j
+            raise ExecutionError(f"{path!r}: the experts' placement {per_expert} is not EP rank j holding experts "
+                                 f"j*E/ep .. (j+1)*E/ep - 1 of each EP group, which the executor's all-to-all needs")
+        out.append(ExpertLayout(path=path, ep=ep, experts=mod.n, hosts=per_expert, zero=zero))
     return out
 
 

@@ -4,7 +4,8 @@
 :class:`profilers.measured_evaluator.MeasuredEvaluator` (a persistent pool, a sub-mesh per plan) send
 each rank a :class:`Job` and call :func:`train_rank` in it: build the model from the seed, keep this
 rank's pipeline stage (its model chunks: blocks, full or selective recomputation, tensor- and
-sequence-parallel styles of :class:`profilers.execution_layout.ExecLayout`), wrap it in DDP, ZeRO
+sequence-parallel styles of :class:`profilers.execution_layout.ExecLayout`, expert-parallel MoE layers
+keeping this rank's experts, :mod:`profilers.expert_parallel`), wrap it in DDP, ZeRO
 (``ZeroRedundancyOptimizer`` for stage 1, FSDP2 ``fully_shard`` for stages 2 and 3) or a pipeline
 schedule (GPipe, 1F1B, interleaved 1F1B), and time ``warmup + steps`` SGD steps on synthetic data
 (the slowest rank's wall time per step). Also here: the synthetic data (:func:`make_batch`), the loss
@@ -164,25 +165,33 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
     lay = job.layout
     s, r, tp_rank = lay.coords(rank)
     first, last = s == 0, s == lay.pp - 1
-    chunks, example, highs = _stage_modules(job, s, device, mesh)
+    chunks, example, highs, experts = _stage_modules(job, s, device, mesh, r)
     zero = lay.stages[s].zero
     dp_group = mesh["dp"].get_group() if lay.dp > 1 else None
+    expert_ids = {id(p) for p in experts.params()} if experts is not None else set()
     if lay.dp > 1 and zero >= 2:  # ZeRO-2 / ZeRO-3: FSDP2 over the replicas (reduce-scatters the gradients)
         chunks = [shard_fully(c, mesh["dp"], zero) for c in chunks]
     elif lay.dp > 1 and lay.pp == 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if expert_ids:  # expert-parallel experts: reduced over their own replicas (ExpertShards.reduce_grads)
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                chunks[0], [n for n, p in chunks[0].named_parameters() if id(p) in expert_ids])
         chunks = [DDP(chunks[0], process_group=dp_group,
                       device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)]
     stage_mod = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    params = [p for c in chunks for p in c.parameters()]
+    params = [p for c in chunks for p in c.parameters() if id(p) not in expert_ids]
     if zero == 1:  # ZeRO-1: each replica updates (and keeps optimizer state for) its share of the parameters
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD,
-                                                             process_group=dp_group, lr=job.lr, foreach=False)
+        opt: Any = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, process_group=dp_group,
+                                           lr=job.lr, foreach=False)
     else:
         opt = torch.optim.SGD(params, lr=job.lr, foreach=False)
+    if experts is not None:
+        from profilers.expert_parallel import Optimizers
+
+        opt = Optimizers([opt, *experts.optimizers(job.lr)])
     schedule = _pipeline_schedule(chunks, s, lay, device, mesh) if lay.pp > 1 else None
     rows = slice(r * (lay.batch // lay.dp), (r + 1) * (lay.batch // lay.dp))
     reporter = last and tp_rank == 0  # one loss per data-parallel replica
@@ -202,6 +211,8 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
                                      record_loss)
         if lay.pp > 1 and dp_group is not None and zero < 2:
             allreduce_grads(stage_mod, dp_group, lay.dp)
+        if experts is not None:
+            experts.reduce_grads()
         opt.step()
         return loss
 
@@ -237,12 +248,20 @@ def train_rank(rank: int, job: Job, device: torch.device, mesh: Any, group: Any 
     return out
 
 
-def _stage_modules(job: Job, stage: int, device: torch.device, mesh: Any) -> tuple[list[nn.Module], tuple, list]:
+def _stage_modules(job: Job, stage: int, device: torch.device, mesh: Any,
+                   replica: int) -> tuple[list[nn.Module], tuple, list, Any]:
     """This rank's model chunks of the seeded model (one per chunk of pipeline stage ``stage``; one unless
     interleaved): each a Chain of its blocks, recomputed ones wrapped, tensor-parallel modules split over
-    ``mesh["tp"]``; also the model's example inputs and the inputs' index ranges."""
+    ``mesh["tp"]``, expert-parallel MoE layers keeping data-parallel replica ``replica``'s experts; also the
+    model's example inputs, the inputs' index ranges and the rank's expert parameters
+    (``profilers.expert_parallel.ExpertShards``, None without expert parallelism)."""
     lay = job.layout
     model, example = build_seeded_model(job.spec, job.seed, job.dtype, job.zoo)
+    experts = None
+    if lay.experts:
+        from profilers.expert_parallel import install_experts
+
+        experts = install_experts(model, lay.experts, replica, [int(x) for x in mesh["dp"].mesh.tolist()], lay.dp)
     blocks, highs = decompose(model)
     chunks: list[nn.Module] = []
     for c in lay.rank_chunks(stage):
@@ -253,7 +272,7 @@ def _stage_modules(job: Job, stage: int, device: torch.device, mesh: Any) -> tup
         chunks.append(Chain(mods).to(device))
         if lay.tp > 1:
             apply_tensor_parallel(model, spec, mesh["tp"], lay.tp)
-    return chunks, example, highs
+    return chunks, example, highs, experts
 
 
 def shard_fully(chunk: nn.Module, dp_mesh: Any, zero: int) -> nn.Module:

@@ -199,3 +199,31 @@ def test_sequence_parallel_refusals(topo):
     lays[g.names.index("ln_f")] = "seq_split"
     with pytest.raises(ExecutionError, match="'ln_f' is seq_split but its stage has tp=1"):
         analyze(dp_plan.copy(layouts=lays), g, model)
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+MOE = "moe:layers=2,hidden=32,experts=4,seq=8,batch=8"
+
+
+@pytest.mark.parametrize("ep,zero", [(2, 0), (4, 0), (2, 1)], ids=["ep2", "ep4", "ep2-zero1"])
+def test_expert_parallel_moe_matches_reference(topo, ep, zero):
+    """dp=4 with the experts of every MoE layer over EP groups of ``ep`` ranks (all_to_all_single on gloo);
+    the experts' gradients reduced over their replicas only, ZeRO-1 over them too."""
+    g, model = _model_graph(MOE)
+    plan = megatron_plan(g, topo, dp=4, expert_parallel=ep, zero=zero)
+    lay = analyze(plan, g, model)
+    assert [x.ep for x in lay.experts] == [ep, ep] and f"expert parallel ep={ep}" in lay.describe()
+    assert lay.experts[0].local_experts(0) == list(range(4 // ep))  # EP rank 0 holds the first E/ep experts
+    report = execute_plan(plan, MOE, steps=2, warmup=1, graph=g, check_steps=0)
+    _check(report, dp=4)
+
+
+def test_expert_parallel_refusals(topo):
+    g, model = _model_graph(MOE)
+    with pytest.raises(ExecutionError, match="with pipeline parallelism .* not supported"):
+        analyze(megatron_plan(g, topo, dp=2, pp=2, expert_parallel=2, microbatch_size=2), g, model)
+    with pytest.raises(ExecutionError, match="ZeRO stage 3 .* not supported"):
+        analyze(megatron_plan(g, topo, dp=4, expert_parallel=2, zero=3), g, model)
+    with pytest.raises(ExecutionError, match="ZeRO stage 1 needs at least 2 replicas of each expert"):
+        plan = megatron_plan(g, topo, dp=4, expert_parallel=4, zero=1)  # the template keeps ZeRO off there
+        analyze(plan.copy(zero=np.ones(g.num_nodes, dtype=np.int64)), g, model)
