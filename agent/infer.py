@@ -10,7 +10,11 @@
 3. the fast heuristic baselines (:func:`run_baselines`: :data:`agent.placers.PLACERS` except the search
    placers; when every one of them fails, the standard plans of ``envs.plan``);
 4. optionally ``search_seconds`` of local search (:func:`search_from_best`: ``agent.placers``' MCMC)
-   from the best plan so far.
+   from the best plan so far;
+5. with a ``budget_seconds`` and/or ``max_evaluations``, the policy-guided search
+   (:func:`agent.guided_search.guided_search`: annealing whose moves the policy proposes) from the best
+   plan so far, for what is left of ``budget_seconds`` after the steps before it (the budget covers the
+   whole call, approximately: the steps before it are not cut short).
 
 Every candidate carries its evaluation on the *operator* graph (a :class:`Candidate`): a placer's plan
 keeps the evaluation its own Scorer made (``agent.placers.common.finished_evaluation``), a policy plan
@@ -21,6 +25,7 @@ worse than the best baseline. Its provenance says which candidate won.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -87,6 +92,7 @@ class PlaceResult:
     best: Candidate
     candidates: list[Candidate]
     seconds: dict[str, float] = field(default_factory=dict)
+    search: object | None = None  # the guided search's agent.guided_search.GuidedResult, when it ran
 
     def best_baseline(self) -> Candidate | None:
         base = [c for c in self.candidates if c.kind == "baseline"]
@@ -306,9 +312,10 @@ def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.
     return infos
 
 
-def policy_env(model, task, objective: str, max_groups: int | None, evaluator=None):
+def policy_env(model, task, objective: str, max_groups: int | None, evaluator=None, episode: dict | None = None):
     """The environment ``model`` places ``task`` in: the model's padding when the task fits it (``fits``),
-    else ``max_groups`` groups (default: the padding's node count) on every device of the topology.
+    else ``max_groups`` groups (default: the padding's node count) on every device of the topology;
+    ``episode`` overrides the run's episode settings (e.g. ``{"mode": "refine"}``).
     Returns ``(env, fits, factory)``; ``factory()`` builds another env like it (for sampled rollouts)."""
     from envs.placement.env import PlacementEnv
 
@@ -316,7 +323,8 @@ def policy_env(model, task, objective: str, max_groups: int | None, evaluator=No
     n_groups = int(max_groups) if max_groups is not None else shape["max_nodes"]
     nd = max(shape["max_devices"], task.topology.num_devices)
     fits = n_groups == shape["max_nodes"] and nd == shape["max_devices"]
-    kw = dict(max_nodes=n_groups, max_devices=nd, objective=objective, **getattr(model, "episode_kwargs", {}))
+    kw = dict(max_nodes=n_groups, max_devices=nd, objective=objective,
+              **{**getattr(model, "episode_kwargs", {}), **(episode or {})})
     if fits:
         kw.update(max_edges=shape["max_edges"], max_options=shape["max_options"])
     try:
@@ -382,13 +390,19 @@ def finetune(model, env_factory, steps: int, seed: int = 0):
 def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.PathLike | None = None,
           objective: str = "step_time", samples: int = 8, finetune_steps: int = 0, search_seconds: float = 0.0,
           seed: int = 0, max_groups: int | None = None, baselines: bool = True,
+          budget_seconds: float | None = None, max_evaluations: int | None = None,
           log: Callable[[str], None] | None = None) -> PlaceResult:
-    """Best plan for ``graph`` on ``topology`` from the policy, the baselines and local search."""
+    """Best plan for ``graph`` on ``topology`` from the policy, the baselines and local search.
+
+    ``budget_seconds`` (the whole call's wall clock) and ``max_evaluations`` (simulator evaluations of
+    the guided search) bound the policy-guided search; it runs when either is given and neither is 0."""
     import torch as th
 
     from envs.tasks import Task
 
+    t_start = time.perf_counter()
     _check_request(objective, samples, finetune_steps, search_seconds)
+    _check_budget(budget_seconds, max_evaluations)
     say = log or (lambda _m: None)
     th.set_num_threads(1)
     secs: dict[str, float] = {}
@@ -414,8 +428,52 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     if search_seconds > 0:
         with _timed(secs, "search"):
             cands += search_from_best(cands, graph, topology, objective, search_seconds, seed, ev)
+    found = None
+    if _guided_requested(budget_seconds, max_evaluations):
+        left = None if budget_seconds is None else budget_seconds - (time.perf_counter() - t_start)
+        if left is not None and left < MIN_SEARCH_SECONDS:
+            say(f"guided search skipped: {budget_seconds:g} s of budget were spent before it")
+        else:
+            with _timed(secs, "guided_search"):
+                found = guided_from_best(cands, model, graph, topology, objective, seed=seed, seconds=left,
+                                         evaluations=max_evaluations, max_groups=max_groups, evaluator=ev)
+            cands += found[0]
     cands.sort(key=Candidate.key)
-    return PlaceResult(plan=winning_plan(cands, objective, seed), best=cands[0], candidates=cands, seconds=secs)
+    return PlaceResult(plan=winning_plan(cands, objective, seed), best=cands[0], candidates=cands, seconds=secs,
+                       search=found[1] if found else None)
+
+
+MIN_SEARCH_SECONDS = 0.05  # less budget than this left: the guided search is skipped
+
+
+def guided_from_best(cands: list[Candidate], model, graph: OpGraph, topology: Topology, objective: str, *,
+                     seed: int, seconds: float | None, evaluations: int | None, max_groups: int | None,
+                     evaluator: CachedSimulation) -> tuple[list[Candidate], object]:
+    """The policy-guided search from the best of ``cands``: its plan as a "search" candidate, and the
+    search's :class:`agent.guided_search.GuidedResult`."""
+    from agent.guided_search import guided_search
+
+    start = min(cands, key=Candidate.key)
+    res = guided_search(model, graph, topology, objective, start.plan, seed=seed, seconds=seconds,
+                        evaluations=evaluations, max_groups=max_groups, evaluator=evaluator)
+    c = placer_candidate(f"guided search from {start.name}", "search", res.plan, graph, topology, objective,
+                         evaluator, res.seconds)
+    return ([c] if c is not None else []), res
+
+
+def _guided_requested(budget_seconds: float | None, max_evaluations: int | None) -> bool:
+    """The guided search runs when a budget is given and no budget is 0."""
+    given = budget_seconds is not None or max_evaluations is not None
+    return given and budget_seconds != 0 and max_evaluations != 0
+
+
+def _check_budget(budget_seconds: float | None, max_evaluations: int | None) -> None:
+    if budget_seconds is not None and (isinstance(budget_seconds, bool) or not math.isfinite(budget_seconds)
+                                       or budget_seconds < 0):
+        raise PlaceError(f"--budget-seconds must be a finite number of seconds >= 0, got {budget_seconds}")
+    if max_evaluations is not None and (isinstance(max_evaluations, bool) or int(max_evaluations) != max_evaluations
+                                        or max_evaluations < 0):
+        raise PlaceError(f"--max-evaluations must be an integer >= 0, got {max_evaluations}")
 
 
 def _check_request(objective: str, samples: int, finetune_steps: int, search_seconds: float) -> None:

@@ -76,6 +76,10 @@ class TrainError(RlplaceError):
     """A training config or run directory is unusable."""
 
 
+class InitWeightsMismatch(TrainError):
+    """``--init POLICY``: the policy's network does not have the shapes of the config's network."""
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped :func:`train` after it saved a resumable checkpoint; the message says where and how
     to resume. A ``KeyboardInterrupt``, so the command line ends with exit code 130."""
@@ -508,13 +512,30 @@ def _new_model(cfg: TrainConfig, venv, run: Path, verbose: int, weights: dict | 
     model = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", verbose=verbose,
                         tensorboard_log=str(run / "tb"), policy_kwargs=cfg.policy, **cfg.ppo)
     if weights is not None:
-        try:
-            model.policy.load_state_dict(weights)
-        except RuntimeError as exc:  # other widths or option count than the config's policy
-            raise TrainError(f"initial weights do not fit the config's policy: {one_line(exc)}") from None
+        differences = weight_differences(model.policy.state_dict(), weights)
+        if differences:
+            more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+            raise InitWeightsMismatch("initial weights do not fit the config's policy: "
+                                      + "; ".join(differences[:3]) + more)
+        model.policy.load_state_dict(weights)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "config.yaml", yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
     return model
+
+
+def weight_differences(wanted: dict, given: dict) -> list[str]:
+    """What keeps the state dict ``given`` from loading into a network whose state dict is ``wanted``:
+    tensors missing or extra, and tensors of other shapes (e.g. another ``hidden`` width, another
+    ``max_options`` padding for the global heads); ``[]`` when it loads."""
+    out = [f"{k}: shape {tuple(given[k].shape)} in the policy, {tuple(v.shape)} in the config's network"
+           for k, v in wanted.items() if k in given and tuple(given[k].shape) != tuple(v.shape)]
+    missing = [k for k in wanted if k not in given]
+    extra = [k for k in given if k not in wanted]
+    if missing:
+        out.append(f"{len(missing)} tensor(s) the policy lacks (first {missing[0]})")
+    if extra:
+        out.append(f"{len(extra)} tensor(s) the config's network lacks (first {extra[0]})")
+    return out
 
 
 def _policy_weights(path: str | os.PathLike) -> dict:

@@ -410,7 +410,8 @@ def test_place_cli_writes_plan_and_gantt(run, tmp_path):
 
     out = tmp_path / "plan.json"
     rc = main(["place", "--model", str(ROOT / "envs" / "data" / "gpt-tiny.json"),
-               "--topology", "pcie-4gpu", "--policy", str(run["res"].model_path), "--samples", "1", "-o", str(out)])
+               "--topology", "pcie-4gpu", "--policy", str(run["res"].model_path), "--samples", "1",
+               "--max-evaluations", "50", "-o", str(out)])
     assert rc == 0
     assert Plan.load(out).provenance["placer"] == "rlplace-agent"
     assert out.with_suffix(".png").exists()

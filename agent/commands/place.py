@@ -10,6 +10,9 @@ from rich.console import Console
 from agent.report import format_time, print_comparison, winner_timeline
 
 MAX_SEARCH_SECONDS = 86_400.0  # a day of local search is the most `--search-seconds` takes
+# the whole call's default budget: a 500-group graph (greedy + 8 samples ~2 s, baselines ~1 s) then gets
+# ~17 s of guided search and finishes in about 20 s on 2 cores
+DEFAULT_BUDGET_SECONDS = 20.0
 
 
 def place_cmd(
@@ -21,6 +24,11 @@ def place_cmd(
     finetune_steps: int = typer.Option(0, "--finetune-steps", min=0, help="PPO steps on this task before the rollouts"),
     search_seconds: float = typer.Option(0.0, "--search-seconds", min=0.0, max=MAX_SEARCH_SECONDS,
                                          help="local search (MCMC) from the best plan, seconds"),
+    budget_seconds: float = typer.Option(DEFAULT_BUDGET_SECONDS, "--budget-seconds",
+                                         help="wall clock for the whole call; what rollouts and baselines leave "
+                                              "goes to the policy-guided search (0: no guided search)"),
+    max_evaluations: int = typer.Option(None, "--max-evaluations",
+                                        help="simulator evaluations the guided search may use (0: no guided search)"),
     max_groups: int = typer.Option(None, "--max-groups", min=1, help="coarsen to at most this many groups (default: the policy's)"),
     seed: int = typer.Option(0, "--seed"),
     output: str = typer.Option("plan.json", "--output", "-o", help="plan JSON to write (and a .png Gantt chart)"),
@@ -34,18 +42,26 @@ def place_cmd(
 
     if not math.isfinite(search_seconds):
         raise PlaceError(f"--search-seconds must be a finite number of seconds, got {search_seconds}")
+    if not (math.isfinite(budget_seconds) and 0 <= budget_seconds <= MAX_SEARCH_SECONDS):
+        raise PlaceError(f"--budget-seconds must be between 0 and {MAX_SEARCH_SECONDS:g} seconds, got {budget_seconds}")
     out = check_output_path(output, "plan")
     png = check_output_path(gantt if gantt else out.with_suffix(".png"), "Gantt chart")
     g = resolve_model(model)
     topo = resolve_topology(topology)
     res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
-                search_seconds=search_seconds, seed=seed, max_groups=max_groups, log=typer.echo)
+                search_seconds=search_seconds, seed=seed, max_groups=max_groups, budget_seconds=budget_seconds,
+                max_evaluations=max_evaluations, log=typer.echo)
     con = Console(width=140)
     con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
     print_comparison(res, objective, console=con)
     rep = winner_timeline(res, g, topo, objective)
     write_plan_and_chart(res.plan, str(out), rep, str(png),
                          title=f"{g.name} on {topo.name}: {res.best.name} ({format_time(rep.value)})")
+    if res.search is not None:
+        s = res.search
+        typer.echo(f"guided search: {s.evaluations} simulator evaluations in {s.seconds:.1f} s "
+                   f"({s.policy_proposals} policy / {s.mcmc_proposals} MCMC proposals), best "
+                   f"{format_time(s.value)}{'; ' + s.note if s.note else ''}")
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
 
 

@@ -14,6 +14,9 @@ def train_cmd(
                                     help="step counter to reach (default: the config's)"),
     run_dir: str = typer.Option(None, "--run-dir", help="run directory (default: runs/NAME)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    init: str = typer.Option(None, "--init", help="start from this policy's weights (e.g. the shipped "
+                                                  "agent/pretrained/placement_policy.zip); its network must "
+                                                  "have the config's shapes"),
 ) -> None:
     """Train a graph-neural MaskablePPO placement policy; logs to TensorBoard under the run directory.
     Ctrl-C saves a resumable checkpoint and says how to resume (exit code 130)."""
@@ -21,7 +24,7 @@ def train_cmd(
 
     try:
         res = train(config, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
-                    log=typer.echo)
+                    log=typer.echo, init_weights=init)
     except TrainingInterrupted as exc:  # one line: where the checkpoint is and how to resume
         typer.echo(str(exc), err=True)
         raise SystemExit(EXIT_INTERRUPTED) from None

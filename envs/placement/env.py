@@ -458,6 +458,28 @@ class PlacementEnv(gym.Env):
         """The node group decided now (the ``place`` phase), else None."""
         return self._node() if self.phase == N_GLOBAL_PHASES else None
 
+    def show_assignment(self, assign: np.ndarray, node: int, globals_: tuple[int, int, int] | None = None
+                        ) -> dict[str, np.ndarray]:
+        """Refine mode: the observation of the complete plan ``assign`` (one option per group) with group
+        ``node`` being decided, and ``globals_`` = (microbatch choice index, schedule index, recompute)
+        if given; :meth:`action_masks` is then that decision's mask. For a search that asks the policy
+        about plans it did not reach by stepping; the episode's rewards are stale afterwards, so
+        ``reset`` before stepping again."""
+        if self.mode != "refine" or self._p is None:
+            raise RlplaceError("show_assignment needs a refine-mode environment after reset()")
+        a = np.asarray(assign, dtype=np.int64)
+        if a.shape != (self._n,) or a.min() < 0 or a.max() >= self._p.options.size:
+            raise EnvError(f"show_assignment: need {self._n} option ids below {self._p.options.size}")
+        for v in np.flatnonzero(a != self._assign).tolist():
+            self._take(v)
+            self._put(v, int(a[v]))
+        if globals_ is not None:
+            self._mb_idx, self._sched, self._recompute = (int(x) for x in globals_)
+        self._t = int(np.flatnonzero(self._p.order == int(node))[0])
+        self._write_globals()
+        self._prepare_decision()
+        return self._obs()
+
     @property
     def current_plan_reward(self) -> float | None:
         """Refine mode: the reward of the current (complete) plan; None in place mode."""

@@ -1,0 +1,345 @@
+"""Policy-guided search: simulated annealing whose moves the placement policy proposes.
+
+:func:`guided_search` anneals over plans on the *operator* graph exactly as ``agent.placers.search.mcmc``
+does (same energy, same temperature schedule ``T0 * 2^(-k / HALF_LIFE)`` over the evaluation count ``k``,
+same Metropolis acceptance, the same caching :class:`agent.placers.common.Scorer` and its evaluation
+count), but a fraction ``policy_fraction`` of the proposals comes from the policy instead of
+``agent.placers.search._propose``:
+
+1. **The policy's view of the current plan.** The plan is projected onto the coarse groups the policy
+   places (``Grouping.project``: each group takes its members' majority choice) and expressed in the
+   option table (``task_setup.express``); the refine-mode environment then shows that complete plan with
+   one group "being decided" (:meth:`envs.placement.env.PlacementEnv.show_assignment`) — the
+   observation a refine episode would see when it revisits that group.
+2. **Which group to change.** A *round* draws ``groups_per_round`` groups uniformly (without
+   replacement) and scores all of them in one batched forward pass (the static graph embeddings are
+   computed once per search). Each group's weight is the policy's probability mass on options *other
+   than* the group's current one (``1 - p(current)``): a group the policy is content with is rarely
+   touched, one it would move is proposed often. Uniform pre-sampling keeps a round's cost fixed
+   (one forward pass of ``groups_per_round`` rows, a few simulator evaluations' worth on 500 groups)
+   instead of scoring every group after every accepted move, and still lets every group be chosen.
+   The env's visiting order was not used: it spends proposals on groups in a fixed sweep whatever the
+   policy thinks of them.
+3. **Which option.** The policy's distribution for that group, renormalised over the options other
+   than the current one; the move gives every operator of the group (and of its co-location class)
+   that option's devices, layout and data-parallel degree, as ``PreparedTask.expand`` would, and
+   keeps every other operator of the plan as it is.
+
+A round ends when a move is accepted (the distributions are stale then), after ``groups_per_round``
+proposals, or when an ordinary MCMC move changes the plan. A policy move that would re-create a plan
+the search has already scored is skipped (a near-deterministic policy otherwise re-proposes the same
+moves, spending forward passes on cache hits). The remaining ``1 - policy_fraction`` of the
+proposals are ``_propose``'s (block moves, microbatches, schedule, recomputation, ZeRO, sequence
+parallelism: the global knobs the refine policy never changes), so the chain can reach every plan
+plain MCMC can; with ``policy_fraction=0`` it *is* ``mcmc``'s trajectory for the same seed.
+
+Deterministic for a seed under an evaluation budget (one ``numpy`` Generator draws groups, options,
+the proposal kind and acceptances; the network runs without sampling). The result is never worse than
+the start plan (the start is the first best). Evaluations are the Scorer's: every simulation of a new
+plan on the operator graph (the start plan's included); the few coarse-graph simulations the refine environment makes at
+reset (its reference and start plans) are reported apart (``setup_evaluations``, at most five, on the
+coarse graph), so an evaluation budget is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agent.placers.common import Budget, Outcome, Scorer, finish
+from agent.placers.search import HALF_LIFE, T0, PlanSpace, _propose, energy
+from envs.errors import RlplaceError
+from envs.evaluator import CachedSimulation, EvalResult
+from envs.graph import OpGraph
+from envs.plan import LAYOUTS, SCHEDULES, Plan
+from envs.topology import Topology
+
+POLICY_FRACTION = 0.7  # share of proposals drawn from the policy (the rest: ordinary MCMC moves)
+GROUPS_PER_ROUND = 32  # groups scored by one batched forward pass
+
+
+class GuidedSearchError(RlplaceError):
+    """A guided search cannot run: a bad budget or fraction, or a start plan that is not valid."""
+
+
+@dataclass
+class GuidedResult:
+    """What :func:`guided_search` found and what it cost."""
+
+    plan: Plan  # the best plan (provenance stamped by ``agent.placers.common.finish``)
+    value: float
+    oom: bool
+    evaluation: EvalResult
+    evaluations: int  # simulator evaluations of plans on the operator graph (what the budget counts)
+    setup_evaluations: int = 0  # the refine environment's coarse-graph simulations at reset (<= 5)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (evaluations, best value so far)
+    seconds: float = 0.0
+    policy_proposals: int = 0
+    mcmc_proposals: int = 0
+    accepted: int = 0
+    note: str = ""  # why the policy was not used, when it was not
+
+
+# ---------------------------------------------------------------------- the policy's proposals
+class PolicyProposer:
+    """Draws moves (group, option) for the current operator plan from a policy's refine-mode distribution."""
+
+    def __init__(self, model, graph: OpGraph, topology: Topology, objective: str, max_groups: int | None,
+                 groups_per_round: int = GROUPS_PER_ROUND, uniform: bool = False):
+        import torch as th
+
+        from agent.infer import policy_env, trim_padding
+        from envs.placement.observation import STATIC_KEYS
+        from envs.tasks import Task
+
+        self.model, self.graph, self.uniform = model, graph, bool(uniform)
+        self.coarse_eval = CachedSimulation(cache_size=64)
+        task = Task(graph, topology)
+        self.env, _, _ = policy_env(model, task, objective, max_groups, self.coarse_eval, episode={"mode": "refine"})
+        first, _ = self.env.reset(options={"task": task})
+        self.prep = self.env.prepared
+        self.n = self.prep.graph.num_nodes
+        self.k = int(groups_per_round)
+        self.members = self._operator_members()
+        self.fe = model.policy.features_extractor
+        self.static = {k: th.as_tensor(v)[None] for k, v in trim_padding(first).items() if k in STATIC_KEYS}
+        with th.no_grad():
+            self.dev_s, self.node_s = self.fe.static_embeddings(self.static)
+        self.assign = np.zeros(self.n, dtype=np.int64)
+        self.globals = (0, 1, 0)
+        self.round: list[tuple[int, np.ndarray]] = []  # (group, probabilities over the other options)
+
+    @property
+    def coarse_evaluations(self) -> int:
+        """Simulations the refine environment made (its reference and start plans)."""
+        return self.coarse_eval.misses
+
+    def _operator_members(self) -> list[np.ndarray]:
+        """Per coarse group: the operators a move of it changes (its co-location class's too)."""
+        p = self.prep
+        own = ([np.flatnonzero(p.grouping.group_of == g) for g in range(self.n)] if p.grouping is not None
+               else [np.array([v]) for v in range(self.n)])
+        out = []
+        for v in range(self.n):
+            c = int(p.class_of[v])
+            groups = p.class_members[c] if c >= 0 else [v]
+            out.append(np.concatenate([own[int(u)] for u in groups]))
+        return out
+
+    # ------------------------------------------------------------------ the plan as the policy sees it
+    def sync(self, plan: Plan) -> None:
+        """Take ``plan`` (on operators) as the current plan; the round's distributions are dropped."""
+        from envs.placement.task_setup import express
+
+        p = self.prep
+        coarse = p.grouping.project(plan) if p.grouping is not None else plan
+        self.assign = express(p, coarse)
+        for mem in p.class_members:
+            self.assign[mem] = self.assign[mem[0]]
+        self.globals = (self._mb_index(plan.microbatches),
+                        SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1,
+                        int(bool(plan.recompute.any())))
+        self.round = []
+
+    def _mb_index(self, microbatches: int) -> int:
+        """The env's microbatch choice nearest (in log) to the plan's, among those the batch allows."""
+        choices = np.array(self.env.microbatch_choices, dtype=np.float64)
+        dist = np.where(self.prep.mb_valid, np.abs(np.log(choices) - math.log(max(microbatches, 1))), np.inf)
+        return int(np.argmin(dist))
+
+    def distributions(self, groups: list[int]) -> list[np.ndarray]:
+        """The policy's masked softmax over options for each of ``groups`` in the current plan (with
+        ``uniform``, the ablation: every allowed option equally likely, no forward pass)."""
+        import torch as th
+
+        from agent.infer import trim_padding
+
+        rows, masks = [], []
+        for v in groups:
+            obs = self.env.show_assignment(self.assign, v, self.globals)
+            rows.append(trim_padding(obs, dynamic_only=True))
+            masks.append(self.env.action_masks())
+        if self.uniform:
+            return [m / m.sum() for m in (mask.astype(np.float64) for mask in masks)]
+        b = len(rows)
+        batch = {k: th.as_tensor(np.stack([r[k] for r in rows])) for k in rows[0]}
+        batch.update({k: v.expand(b, *v.shape[1:]) for k, v in self.static.items()})
+        with th.no_grad():
+            logits = self.fe.logits_from_embeddings(batch, self.dev_s.expand(b, -1, -1),
+                                                    self.node_s.expand(b, -1, -1))[0].numpy().astype(np.float64)
+        out = []
+        for lg, m in zip(logits, masks):
+            lg = np.where(m[:lg.size], lg, -np.inf)
+            p = np.exp(lg - lg.max())
+            out.append(p / p.sum())
+        return out
+
+    # ------------------------------------------------------------------ proposals
+    def new_round(self, rng: np.random.Generator) -> None:
+        """Score ``groups_per_round`` uniformly drawn groups; keep those the policy would move."""
+        groups = sorted(rng.choice(self.n, size=min(self.k, self.n), replace=False).tolist())
+        self.round = []
+        for v, p in zip(groups, self.distributions(groups)):
+            other = p.copy()
+            other[self.assign[v]] = 0.0
+            if other.sum() > 0:
+                self.round.append((v, other))
+
+    def propose(self, plan: Plan, rng: np.random.Generator,
+                seen: set[bytes]) -> tuple[Plan | None, tuple[int, int] | None]:
+        """A plan with one group moved to an option drawn from the policy, and the move; a move whose plan
+        is in ``seen`` (already simulated or invalid) is drawn again, as it would cost a forward pass and
+        tell nothing. ``(None, None)`` when the round runs out (the next call starts a new round)."""
+        if not self.round:
+            self.new_round(rng)
+        while self.round:
+            w = np.array([p.sum() for _, p in self.round])
+            i = int(rng.choice(len(self.round), p=w / w.sum()))
+            v, p = self.round.pop(i)
+            o = int(rng.choice(p.size, p=p / p.sum()))
+            cand = self.apply(plan, v, o)
+            if cand is not None and digest(cand) not in seen:
+                return cand, (v, o)
+        return None, None
+
+    def apply(self, plan: Plan, v: int, o: int) -> Plan | None:
+        """``plan`` with group ``v``'s operators (and its class's) on option ``o``; None if unchanged."""
+        opts = self.prep.options
+        devices, layout, dp = opts.groups[o], LAYOUTS[int(opts.layout[o])], int(opts.dp[o])
+        ops = self.members[v]
+        if all(plan.groups[u] == devices and plan.layouts[u] == layout and plan.dp[u] == dp for u in ops.tolist()):
+            return None
+        new = plan.copy(provenance={}, virtual_stages=1)
+        zero = int(plan.zero.max()) if plan.zero.size else 0
+        for u in ops.tolist():
+            new.groups[u], new.layouts[u] = devices, layout
+        new.dp[ops] = dp
+        new.zero[ops] = zero if dp > 1 else 0
+        new.ep[ops] = 1  # the options are not expert-parallel
+        return new
+
+    def accepted(self, move: tuple[int, int]) -> None:
+        """The policy's move was accepted: the current plan is the assignment with it."""
+        v, o = move
+        c = int(self.prep.class_of[v])
+        self.assign[self.prep.class_members[c] if c >= 0 else [v]] = o
+        self.round = []
+
+
+# ---------------------------------------------------------------------- the search
+def guided_search(model, graph: OpGraph, topology: Topology, objective: str, start: Plan, *, seed: int = 0,
+                  seconds: float | None = None, evaluations: int | None = None,
+                  policy_fraction: float = POLICY_FRACTION, groups_per_round: int = GROUPS_PER_ROUND,
+                  max_groups: int | None = None, evaluator: CachedSimulation | None = None,
+                  uniform_moves: bool = False) -> GuidedResult:
+    """Simulated annealing from ``start`` with policy-proposed moves (see the module docstring), until
+    ``seconds`` of wall clock or ``evaluations`` simulator evaluations are spent (at least one given).
+    ``max_groups``: the coarse groups the policy sees (default: the policy's padding). ``evaluator``:
+    the caching evaluator to share (e.g. ``place``'s). ``uniform_moves``: an ablation, the same group
+    moves with every allowed option equally likely instead of the policy's distribution."""
+    budget = _budget(seconds, evaluations, policy_fraction, groups_per_round)
+    t0 = time.perf_counter()
+    scorer = Scorer(graph, topology, objective, budget)
+    if evaluator is not None:
+        scorer.evaluator = evaluator  # the caller's cache; the Scorer still counts only new simulations
+    rng = np.random.default_rng(seed)
+    cur = start.copy(provenance={})
+    cur_out = scorer(cur)
+    if cur_out is None:
+        raise GuidedSearchError("guided search: the start plan is not valid for this graph and topology")
+    proposer, note = _proposer(model, graph, topology, objective, max_groups, groups_per_round, policy_fraction,
+                               uniform_moves)
+    seen: set[bytes] = set()  # digests of the plans scored so far (the policy does not propose them again)
+    if proposer is not None:
+        proposer.sync(cur)
+        seen.add(digest(cur))
+    space = PlanSpace(graph, topology)
+    best, best_out, cur_e = cur, cur_out, energy(cur_out)
+    curve = [(scorer.evaluations, best_out.value)]
+    counts = {"policy": 0, "mcmc": 0, "accepted": 0}
+    tries = 0
+    while not scorer.exhausted() and tries < 50 * (budget.evaluations or 10**6):
+        tries += 1
+        guided = proposer is not None and (policy_fraction >= 1.0 or rng.random() < policy_fraction)
+        cand, move = proposer.propose(cur, rng, seen) if guided else (_propose(space, cur, rng), None)
+        if cand is None:
+            continue
+        counts["policy" if guided else "mcmc"] += 1
+        out = scorer(cand)
+        if proposer is not None:
+            seen.add(digest(cand))
+        if out is None:
+            continue
+        e = energy(out)
+        if _accept(e, cur_e, scorer.evaluations, rng):
+            cur, cur_e = cand, e
+            counts["accepted"] += 1
+            if proposer is not None and move is not None:
+                proposer.accepted(move)
+            elif proposer is not None:
+                proposer.sync(cur)
+        if out.key() < best_out.key():
+            best, best_out = cand, out
+            curve.append((scorer.evaluations, best_out.value))
+    counts["setup"] = proposer.coarse_evaluations if proposer is not None else 0
+    return _result(best, best_out, scorer, seed, curve, counts, note, time.perf_counter() - t0)
+
+
+def digest(plan: Plan) -> bytes:
+    """A short fingerprint of a plan's decisions (its ``key()``)."""
+    return hashlib.blake2b(plan.key(), digest_size=16).digest()
+
+
+def _accept(e: float, cur_e: float, evaluations: int, rng: np.random.Generator) -> bool:
+    """Metropolis acceptance at ``mcmc``'s temperature for this evaluation count."""
+    temp = max(T0 * 2.0 ** (-evaluations / HALF_LIFE), 1e-4)
+    return e <= cur_e or rng.random() < math.exp(-(e - cur_e) / temp)
+
+
+def _budget(seconds: float | None, evaluations: int | None, policy_fraction: float,
+            groups_per_round: int) -> Budget:
+    if seconds is None and evaluations is None:
+        raise GuidedSearchError("guided search needs a time budget (seconds) or an evaluation budget")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise GuidedSearchError(f"guided search seconds must be a finite number > 0, got {seconds}")
+    if evaluations is not None and (isinstance(evaluations, bool) or int(evaluations) < 1):
+        raise GuidedSearchError(f"guided search evaluations must be an integer >= 1, got {evaluations}")
+    if not 0.0 <= policy_fraction <= 1.0:
+        raise GuidedSearchError(f"policy_fraction must be in [0, 1], got {policy_fraction}")
+    if groups_per_round < 1:
+        raise GuidedSearchError(f"groups_per_round must be >= 1, got {groups_per_round}")
+    return Budget(seconds=None if seconds is None else float(seconds),
+                  evaluations=None if evaluations is None else int(evaluations))
+
+
+def _proposer(model, graph: OpGraph, topology: Topology, objective: str, max_groups: int | None,
+              groups_per_round: int, policy_fraction: float,
+              uniform: bool = False) -> tuple[PolicyProposer | None, str]:
+    """The policy's proposer, or None and why not."""
+    if model is None or policy_fraction <= 0.0:
+        return None, "" if policy_fraction <= 0.0 else "no policy: plain MCMC"
+    try:
+        proposer = PolicyProposer(model, graph, topology, objective, max_groups, groups_per_round, uniform)
+    except RlplaceError as exc:  # the task does not fit the policy's environment: plain MCMC moves
+        return None, f"policy not used ({exc}); plain MCMC moves"
+    return proposer, ""
+
+
+def _result(best: Plan, best_out: Outcome, scorer: Scorer, seed: int, curve: list[tuple[int, float]],
+            counts: dict[str, int], note: str, seconds: float) -> GuidedResult:
+    plan = finish(best, "guided_search", seed, scorer, accepted=counts["accepted"],
+                  policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"])
+    if curve[-1][0] != scorer.evaluations:
+        curve.append((scorer.evaluations, best_out.value))
+    return GuidedResult(plan=plan, value=best_out.value, oom=best_out.oom, evaluation=best_out.evaluation,
+                        evaluations=scorer.evaluations, setup_evaluations=counts["setup"], curve=curve, seconds=seconds,
+                        policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"],
+                        accepted=counts["accepted"], note=note)
+
+
+__all__ = ["guided_search", "GuidedResult", "GuidedSearchError", "PolicyProposer", "POLICY_FRACTION",
+           "GROUPS_PER_ROUND"]

@@ -1,0 +1,111 @@
+"""Policy-guided search (agent/guided_search.py), its place / CLI budgets, and `rlplace train --init`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.guided_search import GuidedSearchError, guided_search
+from envs.evaluator import CachedSimulation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def task():
+    """gpt-tiny on a 4-GPU PCIe box, the shipped policy, and the best fast baseline as the start."""
+    from agent.infer import Candidate, load_policy, run_baselines
+    from envs.presets import resolve_topology
+    from envs.tasks import load_builtin_graph
+
+    g, topo = load_builtin_graph("gpt-tiny"), resolve_topology("pcie-4gpu")
+    start = min(run_baselines(g, topo, "step_time", seed=0), key=Candidate.key)
+    return {"graph": g, "topology": topo, "model": load_policy(), "start": start}
+
+
+def _search(task, **kw):
+    return guided_search(task["model"], task["graph"], task["topology"], "step_time", task["start"].plan, **kw)
+
+
+def test_deterministic_for_a_seed(task):
+    a, b = _search(task, seed=3, evaluations=60), _search(task, seed=3, evaluations=60)
+    assert a.plan.key() == b.plan.key() and a.curve == b.curve and a.evaluations == b.evaluations
+    assert a.policy_proposals > 0 and a.mcmc_proposals > 0
+
+
+def test_evaluation_budget_is_respected_and_counted(task):
+    ev = CachedSimulation()
+    res = _search(task, seed=0, evaluations=40, evaluator=ev)
+    assert res.evaluations == 40 == ev.misses  # every new simulation on the operator graph, counted apart
+    assert [e for e, _ in res.curve] == sorted(e for e, _ in res.curve) and res.curve[-1][0] == 40
+    values = [v for _, v in res.curve]
+    assert values == sorted(values, reverse=True)  # best so far never gets worse
+
+
+def test_never_worse_than_the_start(task):
+    res = _search(task, seed=1, evaluations=80)
+    assert not res.oom and res.value <= task["start"].value
+    res.plan.validate(task["graph"], task["topology"])
+
+
+def test_time_budget_is_respected(task):
+    t = time.perf_counter()
+    res = _search(task, seed=0, seconds=0.5)
+    assert time.perf_counter() - t < 1.5 and res.seconds < 1.5 and res.evaluations > 1
+
+
+def test_without_the_policy_it_is_mcmc(task):
+    from agent.placers.search import mcmc
+
+    res = _search(task, seed=2, evaluations=50, policy_fraction=0.0)
+    plain = mcmc(task["graph"], task["topology"], seed=2, budget=50, start=task["start"].plan.copy())
+    assert res.plan.key() == plain.key() and res.policy_proposals == 0
+
+
+@pytest.mark.parametrize("kw, match", [({}, "time budget"), ({"seconds": -1.0}, "seconds"),
+                                       ({"evaluations": 0}, "evaluations"),
+                                       ({"evaluations": 5, "policy_fraction": 1.5}, "policy_fraction")])
+def test_bad_budgets_are_named_errors(task, kw, match):
+    with pytest.raises(GuidedSearchError, match=match):
+        _search(task, seed=0, **kw)
+
+
+def test_place_runs_the_guided_search_within_its_budgets(task):
+    from agent.infer import PlaceError, place
+
+    g, topo, model = task["graph"], task["topology"], task["model"]
+    res = place(g, topo, model=model, samples=1, max_evaluations=30, seed=0)
+    assert res.search is not None and res.search.evaluations <= 30
+    assert res.best.value <= res.best_baseline().value
+    t = time.perf_counter()
+    res = place(g, topo, model=model, samples=1, budget_seconds=2.0, seed=0)
+    assert time.perf_counter() - t < 3.0 and res.search is not None
+    assert place(g, topo, model=model, samples=0, budget_seconds=0.0).search is None
+    with pytest.raises(PlaceError, match="--max-evaluations"):
+        place(g, topo, model=model, samples=0, max_evaluations=-1)
+
+
+def test_place_cli_budgets(cli, tmp_path):
+    out = tmp_path / "plan.json"
+    code, stdout, _ = cli("place", "-m", "gpt-tiny", "-t", "pcie-4gpu", "--samples", "0", "--budget-seconds", "5",
+                          "--max-evaluations", "25", "-o", out)
+    assert code == 0 and out.exists()
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("guided search:"))
+    assert int(line.split()[2]) <= 25
+    for bad in (["--budget-seconds", "-1"], ["--budget-seconds", "inf"], ["--max-evaluations", "-2"]):
+        code, _, err = cli("place", "-m", "gpt-tiny", "-t", "pcie-4gpu", *bad, "-o", out)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: --")
+
+
+def test_train_init_with_a_mismatched_policy_is_a_named_error(cli, tmp_path):
+    from agent.infer import PRETRAINED
+    from agent.train import InitWeightsMismatch, train
+
+    cfg = ROOT / "experiments" / "configs" / "tiny.yaml"  # hidden 32 vs the shipped policy's 64
+    with pytest.raises(InitWeightsMismatch, match="shape"):
+        train(cfg, run_dir=tmp_path / "api", init_weights=PRETRAINED, progress=False, log=None)
+    assert not (tmp_path / "api").exists()
+    code, _, err = cli("train", "-c", cfg, "--run-dir", tmp_path / "cli", "--init", PRETRAINED, "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "do not fit the config's policy" in err
