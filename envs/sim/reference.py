@@ -28,9 +28,13 @@
 8. the list schedule on device resources, and the report.
 
 Interleaved 1F1B (``virtual_stages`` v > 1): each device runs its v model chunks p microbatches at a
-time; priorities follow each device's sequence of chunk-microbatches, and the forward of the j-th
-chunk-microbatch waits for the backward of the (j - w)-th with w = (p - s - 1) x 2 + (v - 1) x p + 1
-(Megatron-LM's warm-up; Narayanan et al., SC'21, Sec. 2.2).
+time, in Megatron-LM's program order (megatron/core/pipeline_parallel/schedules.py,
+forward_backward_pipelining_with_interleaving; Narayanan et al., SC'21, Sec. 2.2): on pipeline rank r,
+W = (p - r - 1) x 2 + (v - 1) x p warm-up forwards, then the forward of chunk-microbatch W + i before
+the backward of chunk-microbatch i, then the cool-down backwards. Priorities are that order, and the
+forward of the j-th chunk-microbatch waits for the backward of the (j - W - 1)-th (at most W + 1
+chunk-microbatches in flight, as in Megatron-LM). Pipeline transfers do not block the hosts
+(``--overlap-p2p-communication``: sends and receives are posted asynchronously).
 
 Link contention: every device has one send port and one receive port, each exclusive (a transfer
 holds the sender's send port and the receiver's receive port; a collective holds both ports of every
@@ -121,13 +125,26 @@ class _Step:
     def prio(self, v: int, k: int, backward: bool) -> float:
         """Priority of node v's forward / backward of microbatch k: GPipe all forwards (microbatch-major,
         topological order) then all backwards; 1F1B microbatch-major, backward before forward; interleaved
-        1F1B by the device's chunk-microbatch sequence (:meth:`seq`)."""
+        1F1B by the device's program order (:meth:`order`), topological within a chunk."""
         N, m, pos = self._N, self.m, self.topo_pos[v]
         if self.gpipe:
             return (m * N + k * N + (N - 1 - pos)) if backward else (k * N + pos)
         if self.V > 1:
-            k = self.seq(v, k, backward)
+            return self.order(v, k, backward) * N + ((N - 1 - pos) if backward else pos)
         return k * 2 * N + ((N - 1 - pos) if backward else (N + pos))
+
+    def order(self, v: int, k: int, backward: bool) -> int:
+        """Place of node v's chunk-microbatch k in its pipeline rank r's program under interleaved 1F1B
+        (Megatron-LM, megatron/core/pipeline_parallel/schedules.py, forward_backward_pipelining_with_
+        interleaving): W = min((p - r - 1) x 2 + (v - 1) x p, m v) warm-up forwards, then forward W + i
+        before backward i, then the cool-down backwards."""
+        r = int(self.stage[v])
+        total = self.m * self.V
+        W = min((self.p - r - 1) * 2 + (self.V - 1) * self.p, total)
+        j = self.seq(v, k, backward)
+        if backward:
+            return W + 2 * j + 1 if j < total - W else total + j
+        return j if j < W else 2 * j - W
 
 
 class _TaskGraph:
@@ -215,7 +232,8 @@ def _pipeline_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray)
 
 def _interleaved_constraints(s: _Step, T: _TaskGraph, F: np.ndarray, B: np.ndarray) -> None:
     """Interleaved 1F1B: on pipeline rank r the forward of its j-th chunk-microbatch waits for the
-    backward of its (j - w)-th, w = (p - r - 1) x 2 + (v - 1) x p + 1; a backward of the same chunk
+    backward of its (j - w)-th, w = (p - r - 1) x 2 + (v - 1) x p + 1 (Megatron-LM runs the forward of
+    W + i = w - 1 + i after the backward of i - 1: :meth:`_Step.order`); a backward of the same chunk
     is the node's own, of another chunk that chunk's first node's (its backward's end)."""
     p, V, m = s.p, s.V, s.m
     chunk = s.plan.chunks(s.graph)[0]
