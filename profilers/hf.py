@@ -47,6 +47,13 @@ def _transformers():
     return transformers
 
 
+def _one_line(exc: BaseException) -> str:
+    from envs.files import one_line
+
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return one_line(lines[-1] if len(lines) > 1 and lines[0].endswith(":") else exc)
+
+
 def make_config(config: Any, **overrides: Any):
     """A ``PretrainedConfig`` from a config object, a dict with ``model_type``, or a name in CONFIGS."""
     tf = _transformers()
@@ -70,8 +77,8 @@ def make_config(config: Any, **overrides: Any):
             raise HFError("a config dict needs 'model_type' (e.g. 'llama')")
         try:
             cfg = tf.AutoConfig.for_model(model_type, **kw)
-        except (ValueError, KeyError) as exc:
-            raise HFError(f"cannot build a {model_type!r} config: {exc}") from exc
+        except Exception as exc:  # ValueError, KeyError, huggingface_hub's StrictDataclassClassValidationError ...
+            raise HFError(f"cannot build a {model_type!r} config: {_one_line(exc)}") from exc
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     return cfg

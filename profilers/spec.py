@@ -3,14 +3,19 @@
 Three forms, tried in this order:
 
 * a graph JSON file (``graph.json``): loaded with ``OpGraph.load``;
-* ``path/to/file.py:build_fn``: **executes that file** and calls ``build_fn()`` under
-  ``torch.device("meta")``; it returns ``(module, example_inputs)`` (or just a module, when an input
-  shape is given separately);
+* ``path/to/file.py:build_fn[:knob=value,...]``: **executes that file** and calls
+  ``build_fn(**knobs)`` under ``torch.device("meta")`` (``my_model.py:build:layers=4,hidden=256``; a
+  knob the function does not take is an error listing those it does); it returns ``(module,
+  example_inputs)`` (or just a module, when an input shape is given separately);
 * ``hf:NAME[:key=value,...]``: a transformers config from ``profilers.hf.CONFIGS`` (extra ``[hf]``),
   e.g. ``hf:llama-7b:seq=2048,batch=8`` (``seq``, ``batch`` shape the input; other keys override the
   config);
 * a zoo member ``family:knob=value,...`` (``gpt:layers=24,hidden=2048,heads=16,seq=2048,batch=8``),
   see ``profilers.zoo.FAMILIES``; ``batch`` is the traced batch size.
+
+:func:`sample_specs` draws zoo specs from the size classes of ``profilers.zoo.SIZES`` or, with
+``size="realistic"``, from the realistic ranges of ``profilers.families`` (which also holds family
+specs with knob ranges for zoo, ``hf:`` and file models).
 
 Traced graphs are cached in-process (environments ask for the same spec repeatedly); each call
 returns a fresh copy, so callers may modify what they get.
@@ -25,6 +30,7 @@ import importlib.util
 import inspect
 import os
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,11 +116,53 @@ def _first_line(exc: BaseException) -> str:
     return one_line(exc)
 
 
-def _split_file_spec(spec: str) -> tuple[str, str] | None:
-    path, sep, fn = spec.rpartition(":")
-    if sep and path.endswith(".py") and fn.isidentifier():
-        return path, fn
-    return None
+_FILE_SPEC = re.compile(r"^(?P<path>.+?\.py):(?P<fn>[A-Za-z_]\w*)(?::(?P<args>.*))?$", re.DOTALL)
+
+
+def _split_file_spec(spec: str) -> tuple[str, str, str] | None:
+    """``"dir/m.py:build:layers=4"`` -> ``("dir/m.py", "build", "layers=4")`` (args ``""`` if none)."""
+    m = _FILE_SPEC.match(spec)
+    if m is None:
+        return None
+    return m.group("path"), m.group("fn"), (m.group("args") or "").strip()
+
+
+def builder_params(builder: Any) -> tuple[dict[str, Any], bool]:
+    """A builder's keyword parameters with their defaults (``inspect.Parameter.empty`` for none), and
+    whether it takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(builder)
+    except (TypeError, ValueError):
+        return {}, True
+    params = {k: p.default for k, p in sig.parameters.items()
+              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return params, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def _file_knobs(spec: str, path: str, fn: str, args: str, builder: Any) -> dict[str, int | float]:
+    """The keyword knobs of a file spec, checked against the builder's parameters."""
+    out: dict[str, int | float] = {}
+    if not args:
+        return out
+    params, open_kw = builder_params(builder)
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        key, eq, text = part.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not text or not key.isidentifier():
+            raise SpecError(f"bad knob {part!r} in {spec!r}: expected key=value")
+        if key not in params and not open_kw:
+            raise SpecError(f"{path}:{fn}() takes no knob {key!r}; it accepts: "
+                            f"{', '.join(params) or 'no keyword arguments'}")
+        value = _number(text)
+        if isinstance(value, str) or value != value or value in (float("inf"), float("-inf")):
+            raise SpecError(f"knob {key}={text!r} in {spec!r} must be a number")
+        default = params.get(key)
+        if isinstance(value, float) and isinstance(default, int) and not isinstance(default, bool):
+            if not value.is_integer():
+                raise SpecError(f"knob {key}={text} of {path}:{fn} must be an integer")
+            value = int(value)
+        out[key] = value
+    return out
 
 
 def _load_builder(path: str, fn: str):
@@ -150,10 +198,11 @@ def build_model(spec: str, *, input_shape: Sequence[int] | None = None,
     dimension of the first input tensor)."""
     fs = _split_file_spec(spec)
     if fs is not None:
-        builder = _load_builder(*fs)
+        builder = _load_builder(fs[0], fs[1])
+        kw = _file_knobs(spec, *fs, builder)
         with torch.device("meta"):
             try:
-                out = builder()
+                out = builder(**kw)
             except SystemExit as exc:
                 raise SpecError(f"{fs[0]}:{fs[1]}() called sys.exit({exc.code!r}) instead of returning a model") \
                     from None
@@ -260,23 +309,32 @@ def clear_cache() -> None:
     _cached_hf.cache_clear()
 
 
+SAMPLE_SIZES = ("small", "medium", "large", "realistic")
+
+
 def sample_specs(families: str | Sequence[str], n: int, seed: int, size: str = "small") -> list[str]:
     """``n`` zoo specs drawn from ``families`` (a name, a comma list or a sequence) with knob values
-    from ``profilers.zoo.SIZES[family][size]``; the same arguments give the same list."""
+    from ``profilers.zoo.SIZES[family][size]``, or with ``size="realistic"`` from the family's realistic
+    ranges (``profilers.families.RANGES``); the same arguments give the same list."""
     fams = [f.strip() for f in families.split(",")] if isinstance(families, str) else list(families)
     if not fams:
         raise SpecError("sample_specs needs at least one family")
     for f in fams:
         if f not in FAMILIES:
             raise SpecError(f"unknown model family {f!r}; families: {', '.join(sorted(FAMILIES))}")
-        if size not in SIZES[f]:
-            raise SpecError(f"unknown size {size!r} for {f}; sizes: {', '.join(SIZES[f])}")
+        if size != "realistic" and size not in SIZES[f]:
+            raise SpecError(f"unknown size {size!r} for {f}; sizes: {', '.join(SIZES[f])}, realistic")
     if n < 0:
         raise SpecError(f"n must be >= 0, got {n}")
     rng = random.Random(f"{seed}:{size}:{','.join(fams)}")
     out = []
     for _ in range(n):
         fam = fams[rng.randrange(len(fams))]
+        if size == "realistic":
+            from profilers.families import sample_family
+
+            out.append(sample_family(fam, rng.getrandbits(63)))
+            continue
         choices = SIZES[fam][size]
         out.append(format_spec(fam, {k: rng.choice(v) for k, v in choices.items()}))
     return out

@@ -7,7 +7,15 @@ weights. All members export with ``torch.export`` (static shapes, no data-depend
 
 Families: ``mlp``, ``resnet`` (depth, width), ``inception`` (multi-branch CNN), ``gnmt`` (LSTM
 encoder-decoder with attention), ``gpt`` (decoder-only), ``bert`` (encoder), ``moe`` (transformer
-with top-k routed experts, GShard-style static-capacity dispatch), ``unet`` (2-D or 3-D).
+with top-k routed experts, GShard-style static-capacity dispatch), ``unet`` (2-D or 3-D), ``vit``
+(vision transformer), ``llama`` (RMSNorm, rotary positions, grouped-query attention, SwiGLU, untied
+head), ``t5`` (encoder-decoder with relative position bias and cross-attention), ``dlrm``
+(embedding-bag tables, bottom/top MLPs, dot interaction), ``twotower`` (two-branch retrieval model),
+``convnext`` (modern plain CNN), ``diffusion`` (denoising U-Net with timestep embedding and attention
+at low resolution).
+
+``SIZES`` holds small discrete size classes (``profilers.spec.sample_specs``);
+``profilers.families.RANGES`` the realistic ranges a training distribution draws from.
 """
 
 from __future__ import annotations
@@ -279,17 +287,20 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: ``ln1, attn.qkv, attn.out, ln2, mlp.fc1, mlp.fc2`` (or ``moe``)."""
+    """Pre-LN transformer block: ``ln1, attn.qkv, attn.out, ln2, mlp.fc1, mlp.fc2`` (or ``moe``);
+    the feed-forward width is ``ffn`` (default ``4 * hidden``)."""
 
-    def __init__(self, hidden: int, heads: int, causal: bool, moe: dict | None = None) -> None:
+    def __init__(self, hidden: int, heads: int, causal: bool, moe: dict | None = None,
+                 ffn: int | None = None) -> None:
         super().__init__()
+        ffn = 4 * hidden if ffn is None else int(ffn)
         self.ln1 = nn.LayerNorm(hidden)
         self.attn = SelfAttention(hidden, heads, causal)
         self.ln2 = nn.LayerNorm(hidden)
         if moe:
-            self.moe = MoE(hidden, 4 * hidden, **moe)
+            self.moe = MoE(hidden, ffn, **moe)
         else:
-            self.mlp = FeedForward(hidden, 4 * hidden)
+            self.mlp = FeedForward(hidden, ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -417,9 +428,570 @@ def unet(dims: int = 2, levels: int = 3, width: int = 8, img: int = 64, channels
     return UNet(dims, levels, width, channels, classes), (torch.randn(shape),)
 
 
+# ---------------------------------------------------------------------------- ViT
+class PatchEmbed(nn.Module):
+    """Patches to tokens: a ``patch`` x ``patch`` convolution with stride ``patch`` (``proj``), a class
+    token prepended, learned positions added."""
+
+    def __init__(self, img: int, patch: int, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(channels, hidden, patch, patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, hidden))
+        self.pos_embed = nn.Parameter(torch.zeros(1, (img // patch) ** 2 + 1, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+
+
+class ViT(nn.Module):
+    """Vision transformer (Dosovitskiy et al., 2021): ``patch_embed``, pre-LN blocks ``layers.N.*``
+    (``attn.qkv``, ``attn.out``, ``mlp.fc1``, ``mlp.fc2``), ``ln_f``, a classifier ``head`` on the class token."""
+
+    def __init__(self, img: int, patch: int, layers: int, hidden: int, heads: int, ffn: int, classes: int,
+                 channels: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = PatchEmbed(img, patch, channels, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads, causal=False, ffn=ffn) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.ln_f(x)[:, 0])
+
+
+def vit(img: int = 32, patch: int = 8, layers: int = 2, hidden: int = 64, heads: int = 4, mlp_ratio: float = 4.0,
+        classes: int = 10, batch: int = 2) -> Built:
+    """ViT-B/16 at 224: ``vit:img=224,patch=16,layers=12,hidden=768,heads=12,classes=1000``."""
+    if img % patch:
+        raise ValueError(f"vit img ({img}) must be divisible by patch ({patch})")
+    ffn = max(1, round(hidden * float(mlp_ratio)))
+    return ViT(img, patch, layers, hidden, heads, ffn, classes), (torch.randn(batch, 3, img, img),)
+
+
+# ---------------------------------------------------------------------------- Llama
+class RotaryAngles(nn.Module):
+    """cos and sin of the rotary angles (Su et al., 2021) for ``T`` positions, ``[T, head_dim]``;
+    computed once per forward from positions alone (constants of the traced graph)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim, self.base = head_dim, float(base)
+
+    def forward(self, t: int, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        inv = 1.0 / self.base ** (torch.arange(0, d, 2, device=ref.device, dtype=torch.float32) / d)
+        freqs = torch.outer(torch.arange(t, device=ref.device, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(ref.dtype), emb.sin().to(ref.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding of the queries and keys ``[B, T, heads, head_dim]`` (rotate-half
+    form, as in Llama), both rotated in one pass."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention (Ainslie et al., 2023) with rotary positions: a fused ``qkv`` projection
+    ((heads + 2 kv_heads) x head_dim outputs, no bias), ``rope`` on queries and keys, causal
+    scaled_dot_product_attention where each key/value head serves heads / kv_heads query heads, ``out``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, causal: bool = True) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        if heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be divisible by kv_heads ({kv_heads})")
+        if (hidden // heads) % 2:
+            raise ValueError(f"the head size hidden / heads ({hidden // heads}) must be even for rotary positions")
+        self.heads, self.kv_heads, self.head_dim, self.causal = heads, kv_heads, hidden // heads, causal
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.rope = Rotary()
+        self.out = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, t, c = x.shape
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        qk, v = self.qkv(x).view(b, t, h + 2 * kv, d).split([h + kv, kv], dim=2)
+        q, k = self.rope(qk, *angles).split([h, kv], dim=2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=self.causal, enable_gqa=kv != h)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward (Shazeer, 2020): ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm decoder block: ``ln1`` (RMSNorm), ``attn.qkv``, ``attn.rope``, ``attn.out``, ``ln2``,
+    ``mlp.gate``, ``mlp.up``, ``mlp.down``."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.ln1 = nn.RMSNorm(hidden, eps=1e-5)
+        self.attn = GQAttention(hidden, heads, kv_heads)
+        self.ln2 = nn.RMSNorm(hidden, eps=1e-5)
+        self.mlp = SwiGLU(hidden, ffn)
+
+    def forward(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), angles)
+        return x + self.mlp(self.ln2(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only LLM in the Llama 2/3 layout (Touvron et al., 2023): ``wte``, the rotary angles
+    ``rope`` (shared by all layers), ``layers.N.*``, ``ln_f`` (RMSNorm), an untied ``lm_head``."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.rope = RotaryAngles(hidden // heads)
+        self.layers = nn.ModuleList(LlamaBlock(hidden, heads, kv_heads, ffn) for _ in range(layers))
+        self.ln_f = nn.RMSNorm(hidden, eps=1e-5)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        angles = self.rope(idx.shape[1], x)
+        for layer in self.layers:
+            x = layer(x, angles)
+        return self.lm_head(self.ln_f(x))
+
+
+def llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 172, vocab: int = 512,
+          seq: int = 32, batch: int = 2) -> Built:
+    """Llama-2-7B: ``llama:layers=32,hidden=4096,heads=32,kv_heads=32,ffn=11008,vocab=32000,seq=4096``."""
+    return Llama(layers, hidden, heads, kv_heads, ffn, vocab), (torch.randint(0, vocab, (batch, seq)),)
+
+
+# ---------------------------------------------------------------------------- T5
+class RelativeBias(nn.Module):
+    """T5's bucketed relative position bias (Raffel et al., 2020): an ``[1, heads, q, k]`` additive
+    attention bias from a ``buckets`` x ``heads`` table (plus the causal mask in the decoder); the
+    bucket of each (query, key) pair depends only on positions."""
+
+    def __init__(self, heads: int, causal: bool, buckets: int = 32, max_distance: int = 128) -> None:
+        super().__init__()
+        self.causal, self.buckets, self.max_distance = causal, buckets, max_distance
+        self.table = nn.Embedding(buckets, heads)
+
+    def _bucket(self, rel: torch.Tensor) -> torch.Tensor:
+        n, out = self.buckets, torch.zeros_like(rel)
+        if self.causal:
+            rel = -torch.clamp(rel, max=0)
+        else:
+            n //= 2
+            out = out + (rel > 0).long() * n
+            rel = rel.abs()
+        exact = n // 2
+        far = exact + (torch.log(rel.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
+                       * (n - exact)).long()
+        return out + torch.where(rel < exact, rel, torch.clamp(far, max=n - 1))
+
+    def forward(self, q_len: int, k_len: int, ref: torch.Tensor) -> torch.Tensor:
+        ctx = torch.arange(q_len, device=ref.device)[:, None]
+        mem = torch.arange(k_len, device=ref.device)[None, :]
+        bias = self.table(self._bucket(mem - ctx)).permute(2, 0, 1).unsqueeze(0).to(ref.dtype)
+        if self.causal:
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=ref.device).triu(1)
+            bias = bias.masked_fill(mask, float("-inf"))
+        return bias
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention without biases: self-attention fuses ``qkv``; cross-attention has ``q`` on
+    the decoder stream and ``kv`` on the encoder output; ``out``; an additive position bias."""
+
+    def __init__(self, hidden: int, heads: int, cross: bool) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.heads, self.cross = heads, cross
+        if cross:
+            self.q = nn.Linear(hidden, hidden, bias=False)
+            self.kv = nn.Linear(hidden, 2 * hidden, bias=False)
+        else:
+            self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, c = x.shape
+        h, d = self.heads, c // self.heads
+        if self.cross:
+            q = self.q(x).view(b, t, h, d).transpose(1, 2)
+            k, v = self.kv(memory).view(b, memory.shape[1], 2, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = self.qkv(x).view(b, t, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class T5FeedForward(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class T5Block(nn.Module):
+    """Pre-norm (RMSNorm) block: ``ln1, attn`` (+ ``ln_cross, cross_attn`` in the decoder), ``ln2, mlp``."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, decoder: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.RMSNorm(hidden, eps=1e-6)
+        self.attn = T5Attention(hidden, heads, cross=False)
+        if decoder:
+            self.ln_cross = nn.RMSNorm(hidden, eps=1e-6)
+            self.cross_attn = T5Attention(hidden, heads, cross=True)
+        self.ln2 = nn.RMSNorm(hidden, eps=1e-6)
+        self.mlp = T5FeedForward(hidden, ffn)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), bias=bias)
+        if memory is not None:
+            x = x + self.cross_attn(self.ln_cross(x), memory)
+        return x + self.mlp(self.ln2(x))
+
+
+class T5Stack(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, decoder: bool) -> None:
+        super().__init__()
+        self.rel_bias = RelativeBias(heads, causal=decoder)
+        self.layers = nn.ModuleList(T5Block(hidden, heads, ffn, decoder) for _ in range(layers))
+        self.ln_f = nn.RMSNorm(hidden, eps=1e-6)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        bias = self.rel_bias(x.shape[1], x.shape[1], x)
+        for layer in self.layers:
+            x = layer(x, bias, memory)
+        return self.ln_f(x)
+
+
+class T5(nn.Module):
+    """Encoder-decoder transformer (T5 v1.1 layout, Raffel et al., 2020): a ``shared`` token embedding,
+    ``encoder.layers.N.*`` and ``decoder.layers.N.*`` (self-attention with relative position bias;
+    the decoder's is causal and followed by ``cross_attn`` on the encoder output), an untied ``lm_head``."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int, vocab: int) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, hidden)
+        self.encoder = T5Stack(layers, hidden, heads, ffn, decoder=False)
+        self.decoder = T5Stack(layers, hidden, heads, ffn, decoder=True)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(self.shared(src))
+        return self.lm_head(self.decoder(self.shared(tgt), memory))
+
+
+def t5(layers: int = 2, hidden: int = 64, heads: int = 4, ffn: int = 256, vocab: int = 512, seq: int = 32,
+       tgt_seq: int = 32, batch: int = 2) -> Built:
+    """T5-base-like: ``t5:layers=12,hidden=768,heads=12,ffn=3072,vocab=32128,seq=512,tgt_seq=128``."""
+    src = torch.randint(0, vocab, (batch, seq))
+    tgt = torch.randint(0, vocab, (batch, tgt_seq))
+    return T5(layers, hidden, heads, ffn, vocab), (src, tgt)
+
+
+# ---------------------------------------------------------------------------- recommendation
+def _mlp_stack(widths: list[int], last_relu: bool) -> nn.Sequential:
+    mods: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        mods.append(nn.Linear(a, b))
+        if last_relu or i < len(widths) - 2:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+class DotInteraction(nn.Module):
+    """DLRM's feature interaction: the pairwise dot products of the dense vector and the pooled
+    embeddings (a batched ``x x^T`` of ``[B, n, dim]``, its strict upper triangle kept), concatenated
+    with the dense vector."""
+
+    def forward(self, dense: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.stack([dense, *pooled], dim=1)
+        z = torch.bmm(x, x.transpose(1, 2))
+        n = x.shape[1]
+        i, j = torch.triu_indices(n, n, offset=1, device=x.device)
+        return torch.cat([dense, z[:, i, j]], dim=1)
+
+
+class DLRM(nn.Module):
+    """Deep learning recommendation model (Naumov et al., 2019): a ``bottom`` MLP on dense features,
+    ``tables`` sum-pooled embedding bags ``embeddings.T`` (``rows`` x ``dim``) on multi-hot sparse
+    features, the pairwise dot ``interaction``, a ``top`` MLP to one click logit. The embedding tables
+    hold almost all parameters."""
+
+    def __init__(self, tables: int, rows: int, dim: int, dense: int, bottom: int, bottom_layers: int, top: int,
+                 top_layers: int) -> None:
+        super().__init__()
+        self.bottom = _mlp_stack([dense] + [bottom] * bottom_layers + [dim], last_relu=True)
+        self.embeddings = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables))
+        self.interaction = DotInteraction()
+        n = tables + 1
+        self.top = _mlp_stack([dim + n * (n - 1) // 2] + [top] * top_layers + [1], last_relu=False)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        pooled = [emb(sparse[:, t]) for t, emb in enumerate(self.embeddings)]
+        return self.top(self.interaction(self.bottom(dense), pooled))
+
+
+def dlrm(tables: int = 8, rows: int = 1000, dim: int = 16, dense: int = 13, bottom: int = 64, bottom_layers: int = 2,
+         top: int = 64, top_layers: int = 2, pooling: int = 2, batch: int = 32) -> Built:
+    """MLPerf DLRM (Criteo 1TB): ``dlrm:tables=26,rows=10000000,dim=128,bottom=512,bottom_layers=2,top=1024,
+    top_layers=3,pooling=1``; ``pooling`` ids per sample and table."""
+    inputs = (torch.randn(batch, dense), torch.randint(0, rows, (batch, tables, pooling)))
+    return DLRM(tables, rows, dim, dense, bottom, bottom_layers, top, top_layers), inputs
+
+
+class Tower(nn.Module):
+    """One tower: sum-pooled embedding bags ``embeddings.T``, concatenated, an ``mlp`` to ``out``."""
+
+    def __init__(self, tables: int, rows: int, dim: int, hidden: int, layers: int, out: int) -> None:
+        super().__init__()
+        self.embeddings = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables))
+        self.mlp = _mlp_stack([tables * dim] + [hidden] * layers + [out], last_relu=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([emb(ids[:, t]) for t, emb in enumerate(self.embeddings)], dim=1))
+
+
+class TwoTower(nn.Module):
+    """Two-tower retrieval model (Yi et al., 2019): independent ``user`` and ``item`` towers (two
+    branches with no edge between them until the end) scored against each other with in-batch
+    negatives (``[B, B]`` logits)."""
+
+    def __init__(self, user_tables: int, item_tables: int, rows: int, dim: int, hidden: int, layers: int,
+                 out: int) -> None:
+        super().__init__()
+        self.user = Tower(user_tables, rows, dim, hidden, layers, out)
+        self.item = Tower(item_tables, rows, dim, hidden, layers, out)
+
+    def forward(self, user_ids: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
+        return self.user(user_ids) @ self.item(item_ids).t()
+
+
+def twotower(user_tables: int = 4, item_tables: int = 2, rows: int = 1000, dim: int = 16, hidden: int = 64,
+             layers: int = 2, out: int = 32, pooling: int = 2, batch: int = 32) -> Built:
+    ids = (torch.randint(0, rows, (batch, user_tables, pooling)), torch.randint(0, rows, (batch, item_tables, pooling)))
+    return TwoTower(user_tables, item_tables, rows, dim, hidden, layers, out), ids
+
+
+# ---------------------------------------------------------------------------- ConvNeXt
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """``dwconv`` (7x7 depthwise), ``norm``, ``fc1`` (4x), GELU, ``fc2``, layer scale, residual."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(ch, ch, 7, padding=3, groups=ch)
+        self.norm = nn.LayerNorm(ch, eps=1e-6)
+        self.fc1 = nn.Linear(ch, 4 * ch)
+        self.fc2 = nn.Linear(4 * ch, ch)
+        self.gamma = nn.Parameter(torch.full((ch,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        y = self.fc2(F.gelu(self.fc1(y))) * self.gamma
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """ConvNeXt (Liu et al., 2022): a 4x4 stride-4 ``stem``, four stages ``stages.S.B`` of (3, 3,
+    ``depth``, 3) blocks at widths ``width`` x (1, 2, 4, 8), ``down.S`` (LayerNorm, 2x2 stride-2 conv)
+    between them, global pooling, ``norm``, ``head``."""
+
+    def __init__(self, depth: int, width: int, classes: int) -> None:
+        super().__init__()
+        widths = [width * 2**s for s in range(4)]
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 4, 4), LayerNorm2d(width, eps=1e-6))
+        self.down = nn.ModuleList(nn.Sequential(LayerNorm2d(a, eps=1e-6), nn.Conv2d(a, b, 2, 2))
+                                  for a, b in zip(widths[:-1], widths[1:]))
+        self.stages = nn.ModuleList(nn.Sequential(*(ConvNeXtBlock(w) for _ in range(n)))
+                                    for w, n in zip(widths, (3, 3, depth, 3)))
+        self.norm = nn.LayerNorm(widths[-1], eps=1e-6)
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for s, stage in enumerate(self.stages):
+            if s:
+                x = self.down[s - 1](x)
+            x = stage(x)
+        return self.head(self.norm(x.mean(dim=(2, 3))))
+
+
+def convnext(depth: int = 3, width: int = 16, img: int = 64, classes: int = 100, batch: int = 4) -> Built:
+    """ConvNeXt-T: ``convnext:depth=9,width=96,img=224,classes=1000``; -S: depth=27; -B: depth=27,width=128."""
+    if img < 32:
+        raise ValueError(f"convnext img ({img}) must be >= 32 (the stem and three downsamplings divide it by 32)")
+    return ConvNeXt(depth, width, classes), (torch.randn(batch, 3, img, img),)
+
+
+# ---------------------------------------------------------------------------- diffusion U-Net
+def _group_norm(ch: int) -> nn.GroupNorm:
+    return nn.GroupNorm(math.gcd(32, ch), ch)
+
+
+class TimestepEmbed(nn.Module):
+    """Sinusoidal embedding of the diffusion timestep, then ``fc1``, SiLU, ``fc2`` (Ho et al., 2020)."""
+
+    def __init__(self, width: int, dim: int) -> None:
+        super().__init__()
+        self.width = width
+        self.fc1 = nn.Linear(width, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.width // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = t[:, None].float() * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(self.fc1.weight.dtype)
+        return self.fc2(F.silu(self.fc1(emb)))
+
+
+class ResBlock(nn.Module):
+    """``norm1``, SiLU, ``conv1``, + ``temb`` (timestep projection), ``norm2``, SiLU, ``conv2``, residual
+    (``skip``: a 1x1 conv when the width changes)."""
+
+    def __init__(self, cin: int, cout: int, tdim: int) -> None:
+        super().__init__()
+        self.norm1 = _group_norm(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.temb = nn.Linear(tdim, cout)
+        self.norm2 = _group_norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(F.silu(t))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (self.skip(x) if self.skip is not None else x) + h
+
+
+class SpatialAttention(nn.Module):
+    """Self-attention over the pixels of a feature map: ``norm``, ``qkv``, SDPA, ``out``, residual."""
+
+    def __init__(self, ch: int, heads: int) -> None:
+        super().__init__()
+        if ch % heads:
+            raise ValueError(f"channels ({ch}) must be divisible by heads ({heads})")
+        self.heads = heads
+        self.norm = _group_norm(ch)
+        self.qkv = nn.Linear(ch, 3 * ch)
+        self.out = nn.Linear(ch, ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, hh, ww = x.shape
+        t = hh * ww
+        y = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(y).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        y = self.out(y.transpose(1, 2).reshape(b, t, c))
+        return x + y.transpose(1, 2).reshape(b, c, hh, ww)
+
+
+class DiffusionLevel(nn.Module):
+    def __init__(self, cin: int, cout: int, blocks: int, tdim: int, heads: int, attn: bool) -> None:
+        super().__init__()
+        self.res = nn.ModuleList(ResBlock(cin if i == 0 else cout, cout, tdim) for i in range(blocks))
+        self.attn = nn.ModuleList(SpatialAttention(cout, heads) for _ in range(blocks)) if attn else None
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for i, res in enumerate(self.res):
+            x = res(x, t)
+            if self.attn is not None:
+                x = self.attn[i](x)
+        return x
+
+
+class DiffusionUNet(nn.Module):
+    """Denoising U-Net of diffusion models (Ho et al., 2020; Dhariwal & Nichol, 2021; Stable Diffusion's
+    layout without text conditioning): a ``time`` embedding fed to every residual block, ``levels``
+    resolutions with ``blocks`` residual blocks each at widths ``width`` x (1, 2, 4, 4, ...), spatial
+    attention in the ``attn`` lowest-resolution levels and the ``mid`` block, strided-conv
+    ``downsample.L``, nearest + conv ``upsample.L``, skip concatenations."""
+
+    def __init__(self, channels: int, width: int, levels: int, blocks: int, attn: int, heads: int) -> None:
+        super().__init__()
+        tdim = 4 * width
+        chans = [width * min(2**i, 4) for i in range(levels)]
+        has_attn = [i >= levels - attn for i in range(levels)]
+        self.time = TimestepEmbed(width, tdim)
+        self.stem = nn.Conv2d(channels, width, 3, padding=1)
+        self.down = nn.ModuleList(DiffusionLevel(a, b, blocks, tdim, heads, at)
+                                  for a, b, at in zip([width] + chans[:-1], chans, has_attn))
+        self.downsample = nn.ModuleList(nn.Conv2d(c, c, 3, stride=2, padding=1) for c in chans[:-1])
+        self.mid = DiffusionLevel(chans[-1], chans[-1], 2, tdim, heads, True)
+        self.up = nn.ModuleList(DiffusionLevel(2 * c, c, blocks, tdim, heads, at)
+                                for c, at in zip(reversed(chans), reversed(has_attn)))
+        self.upsample = nn.ModuleList(nn.Conv2d(a, b, 3, padding=1)
+                                      for a, b in zip(list(reversed(chans))[:-1], list(reversed(chans))[1:]))
+        self.out_norm = _group_norm(width)
+        self.out = nn.Conv2d(width, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        t = self.time(timestep)
+        x = self.stem(x)
+        skips = []
+        for i, level in enumerate(self.down):
+            x = level(x, t)
+            skips.append(x)
+            if i < len(self.downsample):
+                x = self.downsample[i](x)
+        x = self.mid(x, t)
+        for i, level in enumerate(self.up):
+            x = level(torch.cat([x, skips.pop()], dim=1), t)
+            if i < len(self.upsample):
+                x = self.upsample[i](F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        return self.out(F.silu(self.out_norm(x)))
+
+
+def diffusion(img: int = 16, channels: int = 4, width: int = 32, levels: int = 3, blocks: int = 1, attn: int = 1,
+              heads: int = 4, batch: int = 2) -> Built:
+    """Stable-Diffusion-1.x-sized (latent 64x64, no text): ``diffusion:img=64,channels=4,width=320,levels=4,
+    blocks=2,attn=3,heads=8``; pixel-space ADM at 256: img=256,channels=3,width=256,levels=6,attn=3."""
+    if img % 2 ** (levels - 1):
+        raise ValueError(f"diffusion img ({img}) must be divisible by 2**(levels - 1) ({2 ** (levels - 1)})")
+    if attn > levels:
+        raise ValueError(f"diffusion attn ({attn}) must be at most levels ({levels})")
+    if width % 2:
+        raise ValueError(f"diffusion width ({width}) must be even (the timestep embedding is sin/cos pairs)")
+    model = DiffusionUNet(channels, width, levels, blocks, attn, heads)
+    return model, (torch.randn(batch, channels, img, img), torch.randint(0, 1000, (batch,)).float())
+
+
 FAMILIES: dict[str, Callable[..., Built]] = {
     "mlp": mlp, "resnet": resnet, "inception": inception, "gnmt": gnmt, "gpt": gpt, "bert": bert,
-    "moe": moe, "unet": unet,
+    "moe": moe, "unet": unet, "vit": vit, "llama": llama, "t5": t5, "dlrm": dlrm, "twotower": twotower,
+    "convnext": convnext, "diffusion": diffusion,
 }
 
 # Knob choices the sampler draws from, per family and size class (every combination is valid).
@@ -462,4 +1034,44 @@ SIZES: dict[str, dict[str, dict[str, list]]] = {
                         "batch": [2, 4]},
              "large": {"dims": [2, 3], "levels": [4, 5], "width": [32, 64], "img": [128, 256],
                        "batch": [4, 8]}},
+    "vit": {"small": {"img": [32, 64], "patch": [8, 16], "layers": [2, 3], "hidden": [64, 128], "heads": [2, 4],
+                      "classes": [10], "batch": [2, 4]},
+            "medium": {"img": [224], "patch": [16], "layers": [6, 12], "hidden": [384, 768], "heads": [6, 12],
+                       "classes": [1000], "batch": [32, 64]},
+            "large": {"img": [224], "patch": [14, 16], "layers": [24, 32], "hidden": [1024, 1280], "heads": [16],
+                      "classes": [1000], "batch": [64, 256]}},
+    "llama": {"small": {"layers": [2, 3], "hidden": [64, 128], "heads": [4], "kv_heads": [1, 2, 4],
+                        "ffn": [172, 344], "vocab": [256, 512], "seq": [16, 32], "batch": [2]},
+              "medium": {"layers": [12, 16, 24], "hidden": [1024, 2048], "heads": [16], "kv_heads": [4, 8, 16],
+                         "ffn": [2816, 5632], "vocab": [32000, 128256], "seq": [1024, 2048], "batch": [8, 16]},
+              "large": {"layers": [32, 40], "hidden": [4096, 5120], "heads": [32], "kv_heads": [8, 32],
+                        "ffn": [11008, 13824, 14336], "vocab": [32000, 128256], "seq": [4096], "batch": [16, 64]}},
+    "t5": {"small": {"layers": [1, 2], "hidden": [64, 128], "heads": [2, 4], "ffn": [128, 256], "vocab": [256, 512],
+                     "seq": [16, 32], "tgt_seq": [8, 16], "batch": [2]},
+           "medium": {"layers": [6, 12], "hidden": [512, 768], "heads": [8], "ffn": [2048, 3072], "vocab": [32128],
+                      "seq": [512], "tgt_seq": [128], "batch": [32, 64]},
+           "large": {"layers": [24], "hidden": [1024, 2048], "heads": [16, 32], "ffn": [4096, 5120],
+                     "vocab": [32128], "seq": [512], "tgt_seq": [128, 512], "batch": [64, 128]}},
+    "dlrm": {"small": {"tables": [4, 8], "rows": [1000, 10000], "dim": [16, 32], "bottom": [64, 128],
+                       "top": [64, 128], "pooling": [1, 4], "batch": [32, 128]},
+             "medium": {"tables": [16, 26], "rows": [100000, 1000000], "dim": [64, 128], "bottom": [256, 512],
+                        "top": [512, 1024], "pooling": [1, 8], "batch": [2048, 8192]},
+             "large": {"tables": [26, 64], "rows": [10000000], "dim": [128, 256], "bottom": [512],
+                       "top": [1024, 2048], "top_layers": [3], "pooling": [1, 16], "batch": [32768, 65536]}},
+    "twotower": {"small": {"user_tables": [2, 4], "item_tables": [1, 2], "rows": [1000, 10000], "dim": [16, 32],
+                           "hidden": [64, 128], "layers": [2], "out": [32], "batch": [32, 128]},
+                 "medium": {"user_tables": [8, 16], "item_tables": [4, 8], "rows": [100000, 1000000], "dim": [64],
+                            "hidden": [512, 1024], "layers": [2, 3], "out": [128], "batch": [4096]},
+                 "large": {"user_tables": [24, 32], "item_tables": [12, 16], "rows": [10000000], "dim": [128],
+                           "hidden": [2048], "layers": [3, 4], "out": [256], "batch": [16384, 65536]}},
+    "convnext": {"small": {"depth": [2, 3], "width": [8, 16], "img": [32, 64], "classes": [10, 100], "batch": [2, 4]},
+                 "medium": {"depth": [9], "width": [64, 96], "img": [224], "classes": [1000], "batch": [32, 64]},
+                 "large": {"depth": [27], "width": [128, 192], "img": [224, 384], "classes": [1000],
+                           "batch": [64, 256]}},
+    "diffusion": {"small": {"img": [16, 32], "channels": [3, 4], "width": [16, 32], "levels": [2, 3], "blocks": [1],
+                            "attn": [1], "heads": [2, 4], "batch": [1, 2]},
+                  "medium": {"img": [64], "channels": [4], "width": [128, 192], "levels": [3, 4], "blocks": [2],
+                             "attn": [2], "heads": [4, 8], "batch": [8, 16]},
+                  "large": {"img": [64, 256], "channels": [3, 4], "width": [256, 320], "levels": [4, 5],
+                            "blocks": [2], "attn": [2, 3], "heads": [8], "batch": [16, 64]}},
 }

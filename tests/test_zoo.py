@@ -52,7 +52,7 @@ def test_parse_spec_and_errors():
         "gpt", {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048, "batch": 8})
     assert parse_spec("moe:capacity=1.5") == ("moe", {"capacity": 1.5})
     assert parse_spec("mlp") == ("mlp", {})
-    with pytest.raises(SpecError, match="families: bert, gnmt, gpt"):
+    with pytest.raises(SpecError, match="families: bert, convnext, diffusion, dlrm, gnmt, gpt"):
         parse_spec("transformerz:layers=2")
     with pytest.raises(SpecError, match="knobs: layers=2, hidden=64"):
         parse_spec("gpt:depth=3")
