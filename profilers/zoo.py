@@ -474,7 +474,7 @@ def vit(img: int = 32, patch: int = 8, layers: int = 2, hidden: int = 64, heads:
 
 # ---------------------------------------------------------------------------- Llama
 class RotaryAngles(nn.Module):
-    """cos and sin of the rotary angles (Su et al., 2021) for ``T`` positions, ``[T, head_dim]``;
+    """cos and signed sin of the rotary angles (Su et al., 2021) for ``T`` positions, ``[T, 1, head_dim]``;
     computed once per forward from positions alone (constants of the traced graph)."""
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
@@ -485,17 +485,19 @@ class RotaryAngles(nn.Module):
         d = self.head_dim
         inv = 1.0 / self.base ** (torch.arange(0, d, 2, device=ref.device, dtype=torch.float32) / d)
         freqs = torch.outer(torch.arange(t, device=ref.device, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(ref.dtype), emb.sin().to(ref.dtype)
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # rotate_half's sign folded in
+        return cos[:, None].to(ref.dtype), sin[:, None].to(ref.dtype)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding of the queries and keys ``[B, T, heads, head_dim]`` (rotate-half
-    form, as in Llama), both rotated in one pass."""
+    """Rotary position embedding of the queries and keys ``[B, T, heads, head_dim]`` in Llama's
+    rotate-half form, ``x cos + rotate_half(x) sin`` with ``rotate_half(x) = [-x2, x1]`` (the sign is
+    in ``sin``; swapping the halves is a flip), both rotated in one pass."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return x * cos + swapped * sin
 
 
 class GQAttention(nn.Module):
