@@ -16,7 +16,7 @@ from envs.examples import transformer_graph
 from envs.plan import Plan, attention_core, megatron_plan, recompute_flags
 from envs.presets import preset
 from envs.sim import simulate
-from envs.sim.cost import interleaved_in_flight, model_state_bytes
+from envs.sim.cost import interleaved_in_flight, memory, model_state_bytes
 from envs.sim.reference import simulate_reference
 
 
@@ -219,6 +219,57 @@ def test_megatron_sweep_uses_the_new_choices_when_memory_is_tight():
     assert not rep.is_oom
     assert cfg["zero"] or cfg["sequence_parallel"] or cfg["recompute"] == "selective" or cfg["virtual_stages"] > 1
     assert rep.value < min(v for oom, v in old if not oom)
+
+
+def test_megatron_sweep_scores_the_templates_plans_sequence_parallel_ones_whole(gpt, cluster, monkeypatch):
+    # a graph without co-location classes: the sweep scores megatron_plan's plans as they are (the
+    # sequence-parallel nodes stay seq_split, with ZeRO too), and skips simulating plans whose memory
+    # alone says they lose to the best one, which fits
+    import agent.placers.templates as templates
+    from agent.placers.common import Scorer
+
+    made, scored, skipped = [], [], []
+    make, call, oom = templates.megatron_plan, Scorer.__call__, templates.runs_out_of_memory
+    monkeypatch.setattr(templates, "megatron_plan", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    monkeypatch.setattr(Scorer, "__call__", lambda self, plan: scored.append(plan) or call(self, plan))
+    monkeypatch.setattr(templates, "runs_out_of_memory", lambda *a: skipped.append(oom(*a)) or skipped[-1])
+    plan = run_placer("megatron_3d", gpt, cluster, budget=Budget(evaluations=150))
+    layouts = {tuple(p.layouts) for p in made}
+    assert scored and all(tuple(p.layouts) in layouts for p in scored)
+    assert any("seq_split" in p.layouts and p.zero.max() >= 1 for p in scored)
+    assert skipped and not plan.provenance["oom"]
+
+
+def test_out_of_memory_check_is_the_simulators(gpt, cluster):
+    from agent.placers.templates import runs_out_of_memory
+
+    small = preset("a100-80g-cluster:nodes=2")
+    for d in small.devices:
+        d.memory_bytes = 2.5e8  # a quarter GB: some plans fit, some do not
+    seen = set()
+    for (tp, pp, dp), zero, rc, v in itertools.product(((2, 2, 2), (1, 2, 4), (1, 1, 8), (4, 2, 1)), (0, 1, 3),
+                                                      ("none", "full"), (1, 2)):
+        try:
+            p = megatron_plan(gpt, small, tp=tp, pp=pp, dp=dp, microbatch_size=2, global_batch=16, zero=zero,
+                              recompute=rc, virtual_stages=v)
+            p.validate(gpt, small)
+        except PlanError:
+            continue
+        for objective in ("step_time", "latency"):
+            oom = simulate(gpt, small, p, objective, timeline=False).is_oom
+            assert runs_out_of_memory(gpt, small, p, objective) == oom
+            seen.add(oom)
+    assert seen == {True, False}
+
+
+def test_zero3_holds_the_two_largest_gathered_weights_per_device(gpt, cluster):
+    p = megatron_plan(gpt, cluster, tp=2, pp=2, dp=4, microbatch_size=2, global_batch=16, zero=3)
+    stage, pp = p.stages(gpt)
+    got = memory(gpt, cluster, p, stage, pp)["zero3_gathered"]
+    for d in range(cluster.num_devices):
+        full = sorted((gpt.param_bytes[v] / (p.tp(v) if p.layouts[v] in ("col_split", "row_split") else 1)
+                       for v in range(gpt.num_nodes) if d in p.groups[v] and gpt.param_bytes[v] > 0), reverse=True)
+        assert got[d] == pytest.approx(sum(full[:2]))
 
 
 def test_pipeline_transfers_scatter_and_gather_between_tensor_parallel_stages():

@@ -19,6 +19,7 @@ from agent.placers.common import (
     Budget,
     PlacerError,
     Scorer,
+    check_restrictions,
     device_speed_order,
     divisors,
     enforce_constraints,
@@ -31,6 +32,7 @@ from agent.placers.common import (
 from envs.errors import PlanError
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph
 from envs.plan import Plan, contiguous_stages, expert_layers, megatron_plan
+from envs.sim import memory
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=400)
@@ -116,6 +118,27 @@ def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
 CHOICES = ("all", "classic")  # megatron_3d's space: today's choices, or the 2021 one (recompute none/full)
 
 
+class _OutOfMemory:
+    """What megatron_3d's sweep knows of a plan it did not simulate because it runs out of memory."""
+
+    oom = True
+
+    @staticmethod
+    def key() -> tuple:
+        return (1, math.inf, math.inf)
+
+
+OUT_OF_MEMORY = _OutOfMemory()
+
+
+def runs_out_of_memory(graph: OpGraph, topology: Topology, plan: Plan, objective: str = "step_time") -> bool:
+    """Whether the simulator would report ``plan`` out of memory: its peak memory per device
+    (:func:`envs.sim.memory`, the report's own) over a device's capacity, without the schedule."""
+    stage, p = plan.stages(graph)
+    mem = memory(graph, topology, plan, stage, p, "latency" if objective == "latency" else "step_time")
+    return bool((mem["total"] > mem["capacity"]).any())
+
+
 def expert_choices(dp: int, tp: int, experts: int) -> list[int]:
     """Expert-parallel degrees a user sweeps for ``experts`` experts per layer: 1 and the powers of two
     > 1 dividing both dp and the experts (tp = 1: the EP groups are data-parallel ranks), the largest
@@ -165,6 +188,10 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
     kw = plan_defaults(graph)
     best: tuple | None = None
+    # co-location classes and CPU-only nodes to enforce; without them enforce_constraints has nothing to
+    # do but would turn the sequence-parallel nodes (seq_split, which its layout check does not know)
+    # into single-device ones
+    constrained = bool((graph.colocation >= 0).any() or graph.meta.get("cpu_only"))
 
     def score(cfg: dict, opts: dict, v: int = 1):
         nonlocal best
@@ -174,7 +201,19 @@ def megatron_3d(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=Non
                                  schedule=cfg["schedule"], dtype=kw["dtype"], virtual_stages=v, **opts)
         except PlanError:
             return None
-        plan = enforce_constraints(graph, topology, plan.copy(state_bytes_per_param=kw["state_bytes_per_param"]))
+        plan = plan.copy(state_bytes_per_param=kw["state_bytes_per_param"])
+        if constrained:
+            plan = enforce_constraints(graph, topology, plan)
+        if best is not None and not best[0].oom:
+            # a plan that runs out of memory loses to the best one, which fits: its memory (cheap)
+            # decides, the schedule is not simulated
+            try:
+                plan.validate(graph, topology)
+                check_restrictions(graph, topology, plan)
+            except PlanError:
+                return None
+            if runs_out_of_memory(graph, topology, plan, objective):
+                return OUT_OF_MEMORY
         out = scorer(plan)
         if out is not None and (best is None or out.key() < best[0].key()):
             best = (out, plan, cfg, {**opts, "virtual_stages": v})

@@ -422,8 +422,8 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     1F1B at most p - s on stage s (Narayanan et al., SC'21, Sec. 2.2), interleaved 1F1B
     :func:`interleaved_in_flight`."""
     nd = topology.num_devices
-    states = np.zeros(nd)
-    acts = np.zeros(nd)
+    node_states, node_acts = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
+    node_grad, node_full = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
     transient = np.zeros(nd)
     accumulate = np.zeros(nd)
     gathered = np.zeros((nd, 2))
@@ -493,14 +493,29 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
                 region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + stash_of(v, dp)
             else:
                 stash = stash_of(v, dp)
-        grad = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
-        full_w = graph.param_bytes[v] / split if plan.zero[v] >= 3 and dp > 1 and objective != "latency" else 0.0
-        for d in hosts[v]:
-            states[d] += st
-            acts[d] += stash * inflight
-            accumulate[d] = max(accumulate[d], grad)
-            if full_w > gathered[d, 1]:
-                gathered[d] = (full_w, gathered[d, 0]) if full_w > gathered[d, 0] else (gathered[d, 0], full_w)
+        node_states[v] = st
+        node_acts[v] = stash * inflight
+        node_grad[v] = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
+        node_full[v] = graph.param_bytes[v] / split if plan.zero[v] >= 3 and dp > 1 and objective != "latency" else 0.0
+    # per device, node by node (bincount adds in input order: the same sums as a loop over the nodes)
+    counts = np.fromiter((len(h) for h in hosts), dtype=np.int64, count=graph.num_nodes)
+    node_of = np.repeat(np.arange(graph.num_nodes), counts)
+    as_array = {h: np.asarray(h, dtype=np.int64) for h in set(hosts)}
+    dev_of = np.concatenate([as_array[h] for h in hosts]) if graph.num_nodes else np.zeros(0, dtype=np.int64)
+    states = np.bincount(dev_of, weights=node_states[node_of], minlength=nd).astype(np.float64)
+    acts = np.bincount(dev_of, weights=node_acts[node_of], minlength=nd).astype(np.float64)
+    np.maximum.at(accumulate, dev_of, node_grad[node_of])
+    full = node_full[node_of]
+    if (full > 0).any():  # the two largest gathered weights of each device
+        order = np.lexsort((-full, dev_of))
+        d_sorted, w_sorted = dev_of[order], full[order]
+        head = np.ones(len(order), dtype=bool)
+        head[1:] = d_sorted[1:] != d_sorted[:-1]
+        gathered[d_sorted[head], 0] = w_sorted[head]
+        second = np.flatnonzero(head) + 1
+        second = second[second < len(order)]
+        second = second[d_sorted[second] == d_sorted[second - 1]]
+        gathered[d_sorted[second], 1] = w_sorted[second]
     # during the backward of a recomputed region, its activations for one microbatch are live again
     for key, b in region_bytes.items():
         for d in key[0]:
