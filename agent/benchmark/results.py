@@ -1,8 +1,12 @@
 """The report of a benchmark run: ``results.csv``, ``results.md`` and ``ratios.png`` (each atomic).
 
 ``results.md`` has a summary (per case: lower bound, best placer, its ratio to the bound, and every
-placer's time over the best baseline's), the details of every run, and the lower bounds' parts;
-``ratios.png`` draws the same ratios as a heat map next to each case's gap to its lower bound.
+placer's and agent column's time over the best baseline's), a line per agent column (how often it beats
+the best baseline, the geometric mean of its ratio), the classic-vs-today's plan space comparison when
+the run has both ``megatron_3d_classic`` and ``megatron_3d``, the details of every run, and the lower
+bounds' parts; ``ratios.png`` draws the same ratios as a heat map next to each case's gap to its lower
+bound. The baselines are :data:`agent.placers.PLACERS`; ``policy``, ``policy+search`` and
+``human_expert`` are compared with them but never count as the best baseline.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from envs.files import atomic_write_text
 from envs.gantt import save_figure
 
 if TYPE_CHECKING:
-    from agent.benchmark.suite import Suite
+    from agent.benchmark.suite import AgentSettings, Suite
+
+AGENT = ("policy", "policy+search")
+TIE = 1e-9  # relative: closer than this to the best baseline is a tie
 
 
 @dataclass
@@ -45,6 +52,34 @@ class Row:
     ratio_lb: float = math.nan
     status: str = "ok"
     unit: str = "s"  # "s", or the workload's own time unit (dnn-partitioning: the paper's ms)
+    note: str = ""  # the plan in a few words: a template's configuration, the agent's winning candidate
+
+
+def plan_note(provenance: dict) -> str:
+    """A few words on a plan: which candidate the agent returned, and a Megatron configuration
+    (``tp2 pp4 dp1 mb1 zero1 rc=selective``...) when the plan is one."""
+    winner = provenance.get("winner")
+    config = _config_note(provenance.get("config"))
+    if winner:
+        return f"{winner}: {config}" if config else str(winner)
+    return config
+
+
+def _config_note(cfg) -> str:
+    if isinstance(cfg, dict) and "tp" in cfg:
+        parts = [f"tp{cfg['tp']} pp{cfg.get('pp', 1)} dp{cfg.get('dp', 1)} mb{cfg.get('microbatch_size', '?')}"]
+        if cfg.get("virtual_stages", 1) != 1:
+            parts.append(f"v{cfg['virtual_stages']}")
+        if cfg.get("zero"):
+            parts.append(f"zero{cfg['zero']}")
+        if cfg.get("sequence_parallel"):
+            parts.append("sp")
+        if cfg.get("recompute", "none") != "none":
+            parts.append(f"rc={cfg['recompute']}")
+        if cfg.get("expert_parallel", 1) != 1:
+            parts.append(f"ep{cfg['expert_parallel']}")
+        return " ".join(parts)
+    return ""
 
 
 def slug(name: str) -> str:
@@ -66,7 +101,8 @@ def _fmt_r(x: float) -> str:
     return "—" if not np.isfinite(x) else f"{x:.2f}"
 
 
-def write_report(rows: list[Row], bounds: dict[str, dict], suite: Suite, out: Path, budget: Budget) -> None:
+def write_report(rows: list[Row], bounds: dict[str, dict], suite: Suite, out: Path, budget: Budget,
+                 agent: AgentSettings | None = None) -> None:
     """results.csv, results.md and ratios.png in ``out`` (each written atomically)."""
     buf = io.StringIO()
     fields = list(Row.__dataclass_fields__)
@@ -75,12 +111,114 @@ def write_report(rows: list[Row], bounds: dict[str, dict], suite: Suite, out: Pa
     for r in rows:
         w.writerow([getattr(r, f) for f in fields])
     atomic_write_text(out / "results.csv", buf.getvalue())
-    atomic_write_text(out / "results.md", markdown(rows, bounds, suite, budget))
+    atomic_write_text(out / "results.md", markdown(rows, bounds, suite, budget, agent))
     if rows:
         _plot(rows, out / "ratios.png")
 
 
-def markdown(rows: list[Row], bounds: dict[str, dict], suite: Suite, budget: Budget) -> str:
+def best_baseline(rows: list[Row]) -> Row | None:
+    """The best baseline (:data:`PLACERS`) row of one case's rows: plans that fit first, then time."""
+    ok = [r for r in rows if r.status == "ok" and r.placer in PLACERS]
+    fit = [r for r in ok if not r.oom] or ok
+    return min(fit, key=lambda r: r.predicted) if fit else None
+
+
+def versus(row: Row, base: Row) -> int:
+    """-1 if ``row`` beats ``base`` (fits where it does not, or is faster by more than :data:`TIE`),
+    0 for a tie, 1 if it loses."""
+    if row.oom != base.oom:
+        return -1 if base.oom else 1
+    if row.predicted < base.predicted * (1 - TIE):
+        return -1
+    return 0 if row.predicted <= base.predicted * (1 + TIE) else 1
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if np.isfinite(x) and x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else math.nan
+
+
+def agent_summary(rows: list[Row], column: str) -> dict | None:
+    """How ``column`` (``policy``, ``policy+search``) did against the best baseline over the cases where
+    both ran: ``wins``, ``ties``, ``losses``, ``cases``, ``oom`` (its plans out of memory), ``errors``,
+    ``geomean`` (of its time over the best baseline's, plans that ran). None without such rows."""
+    cases = list(dict.fromkeys(r.case for r in rows))
+    out = {"wins": 0, "ties": 0, "losses": 0, "cases": 0, "oom": 0, "errors": 0}
+    ratios = []
+    seen = False
+    for c in cases:
+        crow = [r for r in rows if r.case == c]
+        mine = next((r for r in crow if r.placer == column), None)
+        base = best_baseline(crow)
+        if mine is None or base is None:
+            continue
+        seen = True
+        out["cases"] += 1
+        if mine.status != "ok":
+            out["errors"] += 1
+            out["losses"] += 1
+            continue
+        out["oom"] += int(mine.oom)
+        out[("wins", "ties", "losses")[versus(mine, base) + 1]] += 1
+        ratios.append(mine.predicted / base.predicted)
+    out["geomean"] = geomean(ratios)
+    return out if seen else None
+
+
+def _agent_lines(rows: list[Row], agent: AgentSettings | None) -> list[str]:
+    lines = []
+    for col in AGENT:
+        s = agent_summary(rows, col)
+        if s is None:
+            continue
+        extra = [f"{s['ties']} tie{'s' if s['ties'] != 1 else ''}"]
+        if s["oom"]:
+            extra.append(f"{s['oom']} out of memory")
+        if s["errors"]:
+            extra.append(f"{s['errors']} error{'s' if s['errors'] != 1 else ''}")
+        lines.append(f"- `{col}` beats the best baseline in **{s['wins']} of {s['cases']}** cases "
+                     f"({', '.join(extra)}); geometric mean {col} / best baseline **{_fmt_r(s['geomean'])}**.")
+    if not lines:
+        return []
+    head = "**Agent**"
+    if agent is not None:
+        head += (f" ({agent.describe()}): `policy` is the policy zero-shot, the best of its greedy rollout and "
+                 f"{agent.samples} sampled ones; `policy+search` is `agent.infer.place` with "
+                 f"{agent.evaluations} evaluations of policy-guided search from the best of the policy and "
+                 "`place`'s fast baselines")
+    return [head + ".", "", *lines, ""]
+
+
+def _space_lines(rows: list[Row]) -> list[str]:
+    """Per case, the best plan of the classic space (megatron_3d_classic) vs today's (megatron_3d)."""
+    by = {(r.case, r.placer): r for r in rows}
+    cases = [c for c in dict.fromkeys(r.case for r in rows)
+             if (c, "megatron_3d") in by and (c, "megatron_3d_classic") in by]
+    if not cases:
+        return []
+    lines = ["## Plan spaces: classic vs today's", "",
+             "`megatron_3d_classic` sweeps the classic space (tensor, pipeline and data parallelism, recomputation "
+             "none or full); `megatron_3d` today's (also ZeRO, sequence parallelism, selective recomputation, "
+             "interleaving, expert parallelism), same budget.", "",
+             "| case | classic best | time | today's best | time | speed-up |", "|---|---|---|---|---|---|"]
+    ups = []
+    for c in cases:
+        a, b = by[(c, "megatron_3d_classic")], by[(c, "megatron_3d")]
+        if a.status != "ok" or b.status != "ok":
+            lines.append(f"| {c} | {a.note if a.status == 'ok' else a.status} | — | "
+                         f"{b.note if b.status == 'ok' else b.status} | — | — |")
+            continue
+        up = a.predicted / b.predicted
+        ups.append(up)
+        lines.append(f"| {c} | {a.note} | {_fmt_t(a.predicted, a.unit)}{' OOM' if a.oom else ''} | {b.note} | "
+                     f"{_fmt_t(b.predicted, b.unit)}{' OOM' if b.oom else ''} | {up:.3f} |")
+    lines += ["", f"Geometric mean speed-up of today's space over the classic one: {_fmt_r(geomean(ups))} "
+                  f"({len(ups)} cases).", ""]
+    return lines
+
+
+def markdown(rows: list[Row], bounds: dict[str, dict], suite: Suite, budget: Budget,
+             agent: AgentSettings | None = None) -> str:
     cases = list(dict.fromkeys(r.case for r in rows))
     placers = list(dict.fromkeys(r.placer for r in rows))
     by = {(r.case, r.placer): r for r in rows}
@@ -90,14 +228,12 @@ def markdown(rows: list[Row], bounds: dict[str, dict], suite: Suite, budget: Bud
              "(`step_time`: one training step; `throughput`: steady-state time per global batch, for the "
              "dnn-partitioning workloads the paper's max-load in its time unit). Ratios: to the best baseline "
              "that fits memory, and to the lower bound (`agent/lower_bound.py`). OOM = out of memory.", "",
-             "## Summary", "",
+             "## Summary", "", *_agent_lines(rows, agent),
              "| case | objective | lower bound | best placer | best | best / LB | " + " | ".join(placers) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(placers)]
     for c in cases:
         crow = [by[(c, p)] for p in placers if (c, p) in by]
-        ok = [r for r in crow if r.status == "ok" and r.placer in PLACERS]
-        fit = [r for r in ok if not r.oom] or ok
-        best = min(fit, key=lambda r: r.predicted) if fit else None
+        best = best_baseline(crow)
         cells = []
         for p in placers:
             r = by.get((c, p))
@@ -111,13 +247,15 @@ def markdown(rows: list[Row], bounds: dict[str, dict], suite: Suite, budget: Bud
         lines.append(f"| {c} | {crow[0].objective} | {_fmt_t(lb, u)} | {best.placer if best else '—'} | "
                      f"{_fmt_t(best.predicted, u) if best else '—'} | {_fmt_r(best.predicted / lb) if best else '—'} | "
                      + " | ".join(cells) + " |")
-    lines += ["", "Per-placer cells: predicted time / best baseline's.", "", "## Details", "",
-              "| case | placer | predicted | / best | / LB | planning s | peak mem GB | OOM | evals |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Per-placer cells: predicted time / best baseline's (below 1: better than every baseline).", "",
+              *_space_lines(rows), "## Details", "",
+              "| case | placer | predicted | / best | / LB | planning s | peak mem GB | OOM | evals | plan |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred = _fmt_t(r.predicted, r.unit) if r.status == "ok" else r.status
         lines.append(f"| {r.case} | {r.placer} | {pred} | {_fmt_r(r.ratio_best)} | {_fmt_r(r.ratio_lb)} | "
-                     f"{r.planning_s:.2f} | {r.peak_memory_gb:.3g} | {'yes' if r.oom else 'no'} | {r.evaluations} |")
+                     f"{r.planning_s:.2f} | {r.peak_memory_gb:.3g} | {'yes' if r.oom else 'no'} | {r.evaluations} | "
+                     f"{r.note} |")
     lines += ["", "## Lower bounds", "", "| case | lower bound | any plan (incl. OOM) | critical path | aggregate | "
               "aggregate with memory | largest op | min devices for states |", "|---|---|---|---|---|---|---|---|"]
     for c in cases:
@@ -147,23 +285,27 @@ def _plot(rows: list[Row], path: Path) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(6 + 0.8 * len(placers), 1.5 + 0.45 * len(cases)),
                                   gridspec_kw={"width_ratios": [len(placers), 3]})
     im = ax.imshow(np.log2(np.clip(M, 1, 64)), cmap="viridis_r", aspect="auto", vmin=0, vmax=3)
+    better = np.where(np.isfinite(M) & (M < 1 - TIE), 1.0, np.nan)  # agent cells below the best baseline
+    ax.imshow(better, cmap="autumn", aspect="auto", vmin=0, vmax=1, alpha=0.6)
     for i in range(len(cases)):
         for j in range(len(placers)):
             r = by.get((cases[i], placers[j]))
             if r is not None and np.isfinite(M[i, j]):
                 ax.text(j, i, f"{M[i, j]:.2f}" + ("\nOOM" if r.oom else ""), ha="center", va="center", fontsize=6,
                         color="white" if M[i, j] > 2.5 else "black")
+    first_agent = next((j for j, p in enumerate(placers) if p not in PLACERS), None)
+    if first_agent:  # the agent (and human-expert) columns, apart from the baselines
+        ax.axvline(first_agent - 0.5, color="w", lw=2.5)
     ax.set_xticks(range(len(placers)))
     ax.set_xticklabels(placers, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(cases)))
     ax.set_yticklabels(cases, fontsize=8)
-    ax.set_title("predicted time / best baseline (log colour, capped at 8x)", fontsize=9)
+    ax.set_title("predicted time / best baseline (log colour, capped at 8x; orange: below 1)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03, label="log2 ratio")
     best_lb = []
     for c in cases:
-        ok = [by[(c, p)] for p in placers if (c, p) in by and by[(c, p)].status == "ok" and by[(c, p)].placer in PLACERS]
-        fit = [r for r in ok if not r.oom] or ok
-        best_lb.append(min(r.ratio_lb for r in fit) if fit else np.nan)
+        best = best_baseline([by[(c, p)] for p in placers if (c, p) in by])
+        best_lb.append(best.ratio_lb if best is not None else np.nan)
     ax2.barh(range(len(cases)), best_lb, color="#4C72B0")
     ax2.axvline(1.0, color="k", lw=0.8)
     ax2.set_yticks(range(len(cases)))
@@ -175,4 +317,4 @@ def _plot(rows: list[Row], path: Path) -> None:
     save_figure(fig, path)
 
 
-__all__ = ["write_report", "markdown", "slug"]
+__all__ = ["write_report", "markdown", "slug", "plan_note", "best_baseline", "agent_summary", "geomean", "versus"]

@@ -4,8 +4,9 @@ A suite is a yaml file (``experiments/suites/<name>.yaml``, see :mod:`agent.chec
 
     name: default
     seed: 0
-    budget: {seconds: 8, evaluations: 300}   # for the search placers (megatron_3d, random_search, mcmc)
+    budget: {seconds: 8, evaluations: 300}   # for the search placers (agent.placers.SEARCH_PLACERS)
     placers: all                            # or a list of names from agent.placers.PLACERS
+    agent: {samples: 8, evaluations: 800}   # optional: the policy and policy+search columns (see AgentDoc)
     cases:
       - name: gpt-1.3b@dgx1                  # unique
         graph: gpt-1.3b                      # see resolve_case
@@ -18,17 +19,40 @@ The file is read with :func:`envs.files.read_document` and checked against :clas
 (:func:`envs.files.validated`): unknown keys, wrong types and ranges are one :class:`SuiteError` line
 naming the file and the field (``cases[2].objective``).
 
+``agent`` (optional; a suite without it has no agent columns unless ``rlplace bench --policy`` asks for
+them): ``samples`` sampled rollouts besides the greedy one for the ``policy`` column (the trained policy
+zero-shot: its best rollout), ``evaluations`` simulator evaluations of the policy-guided search for the
+``policy+search`` column (``agent.infer.place`` with ``max_evaluations``: the search starts from the best
+of the policy's rollouts and ``place``'s fast baselines; 0 leaves the column out), ``policy`` a
+checkpoint (default: the shipped ``agent/pretrained/placement_policy.zip``; a relative path is taken
+from the suite file's folder first). ``agent: true`` is the defaults, ``agent: false`` none.
+
 Graphs: a built-in example (``gpt-small``), ``transformer:layers=..,hidden=..,seq=..,batch=..``
-(``envs.examples.transformer_graph``), ``builtin:NAME`` (``envs.tasks`` graphs shipped in envs/data),
-a graph JSON file, a model spec (``gpt:layers=4,...``) or ``file.py:fn`` (traced by ``profilers``), or
-``dnn-partitioning:PATH`` (a public workload; it brings its own topology). ``${VAR}`` in paths expands
-from the environment (``RLPLACE_WORKLOADS`` defaults to ``shared/workloads`` beside the checkout); relative paths are
-taken from the suite file's folder first. A case whose file is missing is skipped with a message.
+(``envs.examples.transformer_graph``), ``moe-transformer:layers=..,experts=..,top_k=..,hidden=..,seq=..,
+batch=..,vocab=..`` (``envs.tasks.moe_graph``: a mixture-of-experts transformer),
+``random-layered:seed=N`` / ``random-series-parallel:seed=N`` (the irregular random DAGs of
+``agent.distribution.random_dags``, the training distribution's generators), ``builtin:NAME``
+(``envs.tasks`` graphs shipped in envs/data), a graph JSON file, a model spec (``gpt:layers=4,...``,
+``inception:blocks=6,...``, ``unet:...``) or ``file.py:fn`` (traced by ``profilers``), or
+``dnn-partitioning:PATH`` (a public workload; it brings its own topology).
+
+Topologies: a preset (``hetero``, ``a100-80g-cluster:nodes=4``), a yaml/JSON topology file, or
+``cluster:seed=N[,memory_scale=F]``: the random cluster of ``agent.distribution.topologies.random_cluster``
+for that seed (1-8 hosts of A100/H100/V100/T4 accelerators, some with their host CPU as a device, mixed
+kinds across hosts), with every device's memory scaled by ``F`` in (0, 1] instead of the drawn scale
+(a memory-tight cluster; the cluster is otherwise the same).
+
+The knobs of the ``transformer:``, ``moe-transformer:``, ``random-*:`` and ``cluster:`` forms are
+checked when the suite is read (an unknown or malformed knob is a :class:`SuiteError` naming the case).
+``${VAR}`` in paths expands from the environment (``RLPLACE_WORKLOADS`` defaults to ``shared/workloads``
+beside the checkout); relative paths are taken from the suite file's folder first. A case whose file is
+missing is skipped with a message.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +94,23 @@ class BudgetDoc(_Doc):
 
     seconds: Annotated[float, Field(gt=0)] | None = None
     evaluations: Annotated[int, Field(ge=1)] | None = None
+
+
+class AgentDoc(_Doc):
+    """``agent``: the trained policy's columns (see the module docstring)."""
+
+    samples: Annotated[int, Field(ge=0, le=1024)] = 8
+    evaluations: Annotated[int, Field(ge=0)] = 800
+    policy: Text | None = None
+
+
+def _agent_mapping(value: Any) -> Any:
+    """``agent: true`` is the default settings, ``agent: false`` (or null) none."""
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    return value
 
 
 class CaseDoc(_Doc):
@@ -119,6 +160,7 @@ class SuiteDoc(_Doc):
     budget: Annotated[BudgetDoc | None, BeforeValidator(_budget_mapping)] = None
     placers: Annotated[list[Text], Field(min_length=1), BeforeValidator(_all_placers)] = Field(
         default_factory=lambda: list(PLACERS))
+    agent: Annotated[AgentDoc | None, BeforeValidator(_agent_mapping)] = None
     cases: Annotated[list[CaseDoc], Field(min_length=1)]
 
     @field_validator("placers")
@@ -151,6 +193,20 @@ class Case:
     expert: str | None = None
 
 
+@dataclass(frozen=True)
+class AgentSettings:
+    """The agent columns of a run: ``policy`` (a checkpoint path; None: the shipped policy) zero-shot with
+    the greedy rollout and ``samples`` sampled ones, and ``evaluations`` of policy-guided search for
+    ``policy+search`` (0: no such column)."""
+
+    samples: int = 8
+    evaluations: int = 800
+    policy: str | None = None
+
+    def describe(self) -> str:
+        return f"policy {self.policy or 'agent/pretrained/placement_policy.zip (shipped)'}"
+
+
 @dataclass
 class Suite:
     name: str
@@ -159,6 +215,7 @@ class Suite:
     budget: Budget
     seed: int = 0
     base: Path = field(default_factory=Path.cwd)
+    agent: AgentSettings | None = None
 
 
 def suite_path(spec: str) -> Path:
@@ -178,8 +235,17 @@ def load_suite(spec: str) -> Suite:
     budget = doc.budget.model_dump() if doc.budget is not None else None
     cases = [Case(name=c.case_name(), graph=c.graph, topology=c.topology, objective=c.objective,
                   requires=c.requires, expert=c.expert) for c in doc.cases]
+    for i, c in enumerate(cases):
+        try:
+            check_forms(c)
+        except SuiteError as exc:
+            raise SuiteError(f"{path}: cases[{i}] ({c.name}): {exc}") from None
+    agent = None
+    if doc.agent is not None:
+        policy = _path(doc.agent.policy, path.parent) if doc.agent.policy else None
+        agent = AgentSettings(samples=doc.agent.samples, evaluations=doc.agent.evaluations, policy=policy)
     return Suite(name=doc.name or path.stem, cases=cases, placers=list(doc.placers),
-                 budget=Budget.of(budget, DEFAULT_BUDGET), seed=doc.seed, base=path.parent)
+                 budget=Budget.of(budget, DEFAULT_BUDGET), seed=doc.seed, base=path.parent, agent=agent)
 
 
 # ---------------------------------------------------------------------- cases
@@ -195,17 +261,120 @@ def _path(text: str, base: Path) -> str:
     return expanded
 
 
+def _value(text: str) -> int | float | bool | str:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def _kv(args: str) -> dict:
     out = {}
     for part in filter(None, (x.strip() for x in args.split(","))):
         k, eq, v = part.partition("=")
-        if not eq:
+        if not eq or not k.strip() or not v.strip():
             raise SuiteError(f"bad knob {part!r} (expected key=value)")
-        try:
-            out[k.strip()] = int(v)
-        except ValueError:
-            out[k.strip()] = v.strip()
+        out[k.strip()] = _value(v.strip())
     return out
+
+
+def _builder(form: str):
+    """The graph builder of a ``form:knobs`` graph spec."""
+    if form == "transformer":
+        from envs.examples import transformer_graph
+
+        return transformer_graph
+    if form == "moe-transformer":
+        from envs.tasks import moe_graph
+
+        return moe_graph
+    from agent.distribution.random_dags import GENERATORS
+
+    return GENERATORS[form]
+
+
+GRAPH_FORMS = ("transformer", "moe-transformer", "random-layered", "random-series-parallel")
+CLUSTER_KNOBS = ("seed", "memory_scale")
+
+
+def _seed(knobs: dict, what: str) -> int:
+    seed = knobs.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise SuiteError(f"{what} needs seed=N with an integer N >= 0, got {knobs.get('seed')!r}")
+    return seed
+
+
+def _graph_form(spec: str) -> tuple[str, dict] | None:
+    """``(form, knobs)`` of a ``transformer:`` / ``moe-transformer:`` / ``random-*:`` graph spec, checked
+    (unknown knobs, a missing or bad seed); None for any other spec."""
+    form, sep, args = spec.partition(":")
+    if not sep or form not in GRAPH_FORMS:
+        return None
+    knobs = _kv(args)
+    if form.startswith("random-"):
+        bad = sorted(set(knobs) - {"seed"})
+        if bad:
+            raise SuiteError(f"graph {spec!r}: unknown knob(s) {', '.join(bad)}; {form} takes seed=N")
+        _seed(knobs, f"graph {spec!r}")
+        return form, knobs
+    params = inspect.signature(_builder(form)).parameters
+    bad = sorted(k for k in knobs if k not in params or k == "name")
+    if bad:
+        raise SuiteError(f"graph {spec!r}: unknown knob(s) {', '.join(bad)}; knobs: "
+                         + ", ".join(k for k in params if k != "name"))
+    for k, v in knobs.items():
+        default = params[k].default
+        if isinstance(default, int) and not isinstance(default, bool) and (isinstance(v, bool)
+                                                                            or not isinstance(v, int) or v < 1):
+            raise SuiteError(f"graph {spec!r}: knob {k}={v} must be an integer >= 1")
+    return form, knobs
+
+
+def _cluster_form(spec: str) -> dict | None:
+    """The knobs of a ``cluster:seed=N[,memory_scale=F]`` topology, checked; None for any other spec."""
+    form, sep, args = spec.partition(":")
+    if form != "cluster" or not sep:
+        return None
+    knobs = _kv(args)
+    bad = sorted(set(knobs) - set(CLUSTER_KNOBS))
+    if bad:
+        raise SuiteError(f"topology {spec!r}: unknown knob(s) {', '.join(bad)}; cluster takes "
+                         "seed=N[,memory_scale=F]")
+    _seed(knobs, f"topology {spec!r}")
+    scale = knobs.get("memory_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
+        raise SuiteError(f"topology {spec!r}: memory_scale must be a number in (0, 1], got {scale!r}")
+    return knobs
+
+
+def check_forms(case: Case) -> None:
+    """Check the knobs of the case's ``form:knobs`` graph and topology specs (SuiteError if bad)."""
+    _graph_form(case.graph)
+    if case.topology is not None:
+        _cluster_form(case.topology)
+
+
+def random_cluster_topology(spec: str) -> Topology:
+    """The topology of a ``cluster:seed=N[,memory_scale=F]`` spec (see the module docstring)."""
+    from agent.distribution.topologies import ClusterRanges, random_cluster
+
+    knobs = _cluster_form(spec)
+    if knobs is None:
+        raise SuiteError(f"not a cluster spec: {spec!r} (expected cluster:seed=N[,memory_scale=F])")
+    ranges = ClusterRanges()
+    if "memory_scale" in knobs:
+        scale = float(knobs["memory_scale"])
+        ranges = ClusterRanges(memory_scale=(scale, scale))  # the same draws: only the scale differs
+    return random_cluster(int(knobs["seed"]), ranges, name=spec)
+
+
+def _case_topology(case: Case, base: Path) -> Topology:
+    spec = str(case.topology)
+    if _cluster_form(spec) is not None:
+        return random_cluster_topology(spec)
+    return resolve_topology(_path(spec, base))
 
 
 def resolve_case(case: Case, base: Path) -> tuple[OpGraph, Topology, Plan | None]:
@@ -219,7 +388,7 @@ def resolve_case(case: Case, base: Path) -> tuple[OpGraph, Topology, Plan | None
     if case.graph.startswith("dnn-partitioning:"):
         return _workload_case(case, base)
     graph = _case_graph(case, base)
-    return graph, resolve_topology(_path(str(case.topology), base)), None
+    return graph, _case_topology(case, base), None
 
 
 def _workload_case(case: Case, base: Path) -> tuple[OpGraph, Topology, Plan | None]:
@@ -244,13 +413,15 @@ def _workload_case(case: Case, base: Path) -> tuple[OpGraph, Topology, Plan | No
 
 def _case_graph(case: Case, base: Path) -> OpGraph:
     spec = case.graph
-    if spec.startswith("transformer:"):
-        from envs.examples import transformer_graph
-
+    form = _graph_form(spec)
+    if form is not None:
+        name, knobs = form
         try:
-            return transformer_graph(**_kv(spec.split(":", 1)[1]))
-        except TypeError as exc:
-            raise SuiteError(f"case {case.name}: bad transformer knobs in {spec!r}: {exc}") from exc
+            if name.startswith("random-"):
+                return _builder(name)(int(knobs["seed"]), name=spec)
+            return _builder(name)(**knobs)
+        except (TypeError, ValueError) as exc:
+            raise SuiteError(f"case {case.name}: bad knobs in {spec!r}: {exc}") from exc
     if spec.startswith("builtin:"):
         from envs.tasks import load_builtin_graph
 
@@ -263,5 +434,5 @@ def _case_graph(case: Case, base: Path) -> OpGraph:
     return resolve_graph(p)
 
 
-__all__ = ["SuiteError", "CaseSkipped", "SuiteDoc", "CaseDoc", "BudgetDoc", "Case", "Suite", "suite_path",
-           "load_suite", "resolve_case"]
+__all__ = ["SuiteError", "CaseSkipped", "SuiteDoc", "CaseDoc", "BudgetDoc", "AgentDoc", "AgentSettings", "Case",
+           "Suite", "suite_path", "load_suite", "resolve_case", "check_forms", "random_cluster_topology"]

@@ -29,12 +29,24 @@ from envs.topology import Topology
 
 Placer = Callable[..., Plan]
 
+
+def megatron_3d_classic(graph: OpGraph, topology: Topology, **kw) -> Plan:
+    """:func:`~agent.placers.templates.megatron_3d` over the classic plan space (``choices="classic"``:
+    tensor, pipeline and data parallelism with recomputation none or full; no ZeRO, sequence
+    parallelism, selective recomputation, interleaving or expert parallelism), so a benchmark can show
+    the best plan of that space beside today's."""
+    plan = megatron_3d(graph, topology, choices="classic", **kw)
+    plan.provenance = {**plan.provenance, "placer": "megatron_3d_classic", "choices": "classic"}
+    return plan
+
+
 PLACERS: dict[str, Placer] = {
     "single_device": single_device,
     "data_parallel": data_parallel,
     "round_robin": round_robin,
     "expert_split": expert_split,
     "megatron_3d": megatron_3d,
+    "megatron_3d_classic": megatron_3d_classic,
     "m_etf": m_etf,
     "m_sct": m_sct,
     "metis": metis,
@@ -44,7 +56,7 @@ PLACERS: dict[str, Placer] = {
 }
 
 # Placers whose search grows with the budget (the others finish in a few evaluations).
-SEARCH_PLACERS = ("megatron_3d", "random_search", "mcmc")
+SEARCH_PLACERS = ("megatron_3d", "megatron_3d_classic", "random_search", "mcmc")
 
 
 def run_placer(name: str, graph: OpGraph, topology: Topology, **kw) -> Plan:
