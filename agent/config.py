@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from agent.imitation import BC_LEARNING_RATE
 from agent.self_imitation import SETTINGS as SELF_IMITATION
 from envs.coarsen import METHODS as COARSEN_METHODS
 from envs.placement.env import MODES, REFINE_INITS
@@ -65,10 +66,11 @@ class EnvSection(Section):
     coarsen: bool = True
     coarsen_method: Literal[COARSEN_METHODS] = "auto"  # type: ignore[valid-type]
     order: Literal[ORDERS] = "topological"  # type: ignore[valid-type]
-    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
+    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32], min_length=1,
+                                                  max_length=16)
     refine_passes: PositiveInt = 1
     refine_init: Literal[REFINE_INITS] = "best"  # type: ignore[valid-type]
-    eval_graph: Literal["coarse", "fine"] = "coarse"
+    eval_graph: Literal["coarse", "fine"] = "fine"
     task_cache_size: PositiveInt = 64
 
 
@@ -90,8 +92,50 @@ class PolicySection(Section):
         return v
 
 
+Range = Annotated[list[Number], Field(min_length=2, max_length=2)]
+IntRange = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
+
+
+class DistributionSection(Section):
+    """``tasks.distribution``: tasks drawn over model families at realistic sizes on random clusters
+    (:func:`agent.distribution.draw_distribution`). A family is a name (``llama``, ``random-layered``) or a
+    family spec mapping ``{model: my_model.py:build, knobs: {layers: [2, 12]}, name: mine}``
+    (:class:`profilers.families.FamilySpec`; checked here, before anything is traced)."""
+
+    tasks: PositiveInt = 128
+    holdout_tasks: Count = 24
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
+    families: list[str | dict] | None = None  # default: agent.distribution.TRAIN_FAMILIES
+    holdout_families: list[str | dict] | None = None  # default: agent.distribution.HOLDOUT_FAMILIES
+    devices: IntRange = Field(default_factory=lambda: [2, 16])
+    hosts: IntRange = Field(default_factory=lambda: [1, 4])
+    memory_scale: Range = Field(default_factory=lambda: [0.25, 1.0])
+
+    @model_validator(mode="after")
+    def _families_and_ranges(self) -> DistributionSection:
+        from agent.distribution import DistributionError, families
+
+        for name, (lo, hi) in (("devices", self.devices), ("hosts", self.hosts), ("memory_scale", self.memory_scale)):
+            if lo > hi:
+                raise ValueError(f"{name}: lo {lo} > hi {hi}")
+        if not 0 < self.memory_scale[0] <= self.memory_scale[1] <= 4:
+            raise ValueError("memory_scale must lie in (0, 4]")
+        from agent.distribution import HOLDOUT_FAMILIES, TRAIN_FAMILIES
+
+        names = []
+        for entries, default in ((self.families, TRAIN_FAMILIES), (self.holdout_families, HOLDOUT_FAMILIES)):
+            try:
+                names.append({f.name for f in families(entries if entries is not None else default)})
+            except DistributionError as exc:
+                raise ValueError(str(exc)) from None
+        if names[0] & names[1]:
+            raise ValueError(f"families both trained on and held out: {', '.join(sorted(names[0] & names[1]))}")
+        return self
+
+
 class TasksSection(Section):
-    """``tasks`` / ``eval_tasks``: graphs (built-in, specs, sampled families) x topologies x batches."""
+    """``tasks`` / ``eval_tasks``: graphs (built-in, specs, sampled families) x topologies x batches, or a
+    drawn ``distribution`` (with ``expert_iteration``)."""
 
     builtin: list[str] | None = None
     families: list[str] | None = None
@@ -100,12 +144,30 @@ class TasksSection(Section):
     specs: list[str] | None = None
     topologies: list[str] | None = None
     batches: list[PositiveInt | None] | None = None
+    distribution: DistributionSection | None = None
 
     @model_validator(mode="after")
     def _has_graphs(self) -> TasksSection:
-        if not (self.builtin or self.specs or self.families):
-            raise ValueError("needs 'builtin', 'specs' or 'families'")
+        if not (self.builtin or self.specs or self.families or self.distribution):
+            raise ValueError("needs 'builtin', 'specs', 'families' or 'distribution'")
         return self
+
+
+class ExpertIterationSection(Section):
+    """``expert_iteration``: rounds of search -> distillation -> PPO -> held-out evaluation
+    (:mod:`agent.expert_iteration`; needs ``tasks.distribution``)."""
+
+    rounds: PositiveInt = 3
+    dataset: str | None = None  # default: RUN_DIR/dataset
+    search_evaluations: Count = 600  # round 0: MCMC from the best heuristic, per task
+    policy_evaluations: PositiveInt = 300  # rounds > 0: policy-guided search per task
+    policy_samples: Count = 4  # sampled rollouts beside the greedy one when seeding the search
+    distill_epochs: PositiveInt = 8
+    distill_batch_size: PositiveInt = 256
+    distill_learning_rate: Number = Field(BC_LEARNING_RATE, gt=0)
+    ppo_steps: Count = 16384  # per round
+    eval_samples: Count = 8  # held-out zero-shot: greedy + this many samples
+    train_eval_tasks: Count = 16  # training tasks the per-round "vs best known" ratio is measured on
 
 
 class CallbacksSection(Section):
@@ -122,6 +184,7 @@ class ImitationSection(Section):
 
     epochs: PositiveInt = 20
     batch_size: PositiveInt = 128
+    learning_rate: Number = Field(BC_LEARNING_RATE, gt=0)
 
 
 class SelfImitationSection(Section):
@@ -130,6 +193,7 @@ class SelfImitationSection(Section):
     every: PositiveInt = SELF_IMITATION["every"]
     epochs: PositiveInt = SELF_IMITATION["epochs"]
     batch_size: PositiveInt = SELF_IMITATION["batch_size"]
+    learning_rate: Number = Field(BC_LEARNING_RATE, gt=0)
 
 
 def _true_means_defaults(value: Any) -> Any:
@@ -156,6 +220,15 @@ class TrainSpec(Section):
     callbacks: CallbacksSection = Field(default_factory=CallbacksSection)
     imitation: Annotated[ImitationSection | None, BeforeValidator(_true_means_defaults)] = None
     self_imitation: Annotated[SelfImitationSection | None, BeforeValidator(_true_means_defaults)] = None
+    expert_iteration: Annotated[ExpertIterationSection | None, BeforeValidator(_true_means_defaults)] = None
+
+    @model_validator(mode="after")
+    def _iteration_needs_a_distribution(self) -> TrainSpec:
+        if self.expert_iteration is not None and self.tasks.distribution is None:
+            raise ValueError("expert_iteration needs tasks.distribution (the tasks it draws and searches)")
+        if self.tasks.distribution is not None and self.expert_iteration is None:
+            raise ValueError("tasks.distribution is trained with an expert_iteration section")
+        return self
 
     @field_validator("env", "policy", "ppo", "callbacks", mode="before")
     @classmethod
@@ -173,4 +246,5 @@ def check_batch_size(spec: TrainSpec) -> str | None:
 
 
 __all__ = ["TrainSpec", "PPOSection", "EnvSection", "PolicySection", "TasksSection", "CallbacksSection",
-           "ImitationSection", "SelfImitationSection", "check_batch_size"]
+           "ImitationSection", "SelfImitationSection", "DistributionSection", "ExpertIterationSection",
+           "check_batch_size"]

@@ -6,11 +6,11 @@ same Metropolis acceptance, the same caching :class:`agent.placers.common.Scorer
 count), but a fraction ``policy_fraction`` of the proposals comes from the policy instead of
 ``agent.placers.search._propose``:
 
-1. **The policy's view of the current plan.** The plan is projected onto the coarse groups the policy
-   places (``Grouping.project``: each group takes its members' majority choice) and expressed in the
-   option table (``task_setup.express``); the refine-mode environment then shows that complete plan with
-   one group "being decided" (:meth:`envs.placement.env.PlacementEnv.show_assignment`) — the
-   observation a refine episode would see when it revisits that group.
+1. **The policy's view of the current plan.** The plan is expressed as one action (placement x
+   modifier) per coarse group the policy places (``task_setup.express``: each group takes its members'
+   majority choice); the refine-mode environment then shows that complete plan with one group "being
+   decided" (:meth:`envs.placement.env.PlacementEnv.show_assignment`) — the observation a refine episode
+   would see when it revisits that group.
 2. **Which group to change.** A *round* draws ``groups_per_round`` groups uniformly (without
    replacement) and scores all of them in one batched forward pass (the static graph embeddings are
    computed once per search). Each group's weight is the policy's probability mass on options *other
@@ -20,10 +20,11 @@ count), but a fraction ``policy_fraction`` of the proposals comes from the polic
    instead of scoring every group after every accepted move, and still lets every group be chosen.
    The env's visiting order was not used: it spends proposals on groups in a fixed sweep whatever the
    policy thinks of them.
-3. **Which option.** The policy's distribution for that group, renormalised over the options other
+3. **Which action.** The policy's distribution for that group, renormalised over the actions other
    than the current one; the move gives every operator of the group (and of its co-location class)
-   that option's devices, layout and data-parallel degree, as ``PreparedTask.expand`` would, and
-   keeps every other operator of the plan as it is.
+   that action's devices, layout, data-parallel degree, ZeRO stage, recomputation and expert
+   parallelism, as ``PreparedTask.plan`` would (``PreparedTask.apply_action``), and keeps every other
+   operator of the plan as it is.
 
 A round ends when a move is accepted (the distributions are stale then), after ``groups_per_round``
 proposals, or when an ordinary MCMC move changes the plan. A policy move that would re-create a plan
@@ -55,7 +56,7 @@ from agent.placers.search import HALF_LIFE, T0, PlanSpace, _propose, energy
 from envs.errors import RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import OpGraph
-from envs.plan import LAYOUTS, SCHEDULES, Plan
+from envs.plan import SCHEDULES, Plan
 from envs.topology import Topology
 
 POLICY_FRACTION = 0.7  # share of proposals drawn from the policy (the rest: ordinary MCMC moves)
@@ -104,7 +105,6 @@ class PolicyProposer:
         self.prep = self.env.prepared
         self.n = self.prep.graph.num_nodes
         self.k = int(groups_per_round)
-        self.members = self._operator_members()
         self.fe = model.policy.features_extractor
         self.static = {k: th.as_tensor(v)[None] for k, v in trim_padding(first).items() if k in STATIC_KEYS}
         with th.no_grad():
@@ -118,31 +118,17 @@ class PolicyProposer:
         """Simulations the refine environment made (its reference and start plans)."""
         return self.coarse_eval.misses
 
-    def _operator_members(self) -> list[np.ndarray]:
-        """Per coarse group: the operators a move of it changes (its co-location class's too)."""
-        p = self.prep
-        own = ([np.flatnonzero(p.grouping.group_of == g) for g in range(self.n)] if p.grouping is not None
-               else [np.array([v]) for v in range(self.n)])
-        out = []
-        for v in range(self.n):
-            c = int(p.class_of[v])
-            groups = p.class_members[c] if c >= 0 else [v]
-            out.append(np.concatenate([own[int(u)] for u in groups]))
-        return out
-
     # ------------------------------------------------------------------ the plan as the policy sees it
     def sync(self, plan: Plan) -> None:
         """Take ``plan`` (on operators) as the current plan; the round's distributions are dropped."""
         from envs.placement.task_setup import express
 
         p = self.prep
-        coarse = p.grouping.project(plan) if p.grouping is not None else plan
-        self.assign = express(p, coarse)
+        self.assign = express(p, plan)
         for mem in p.class_members:
             self.assign[mem] = self.assign[mem[0]]
         self.globals = (self._mb_index(plan.microbatches),
-                        SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1,
-                        int(bool(plan.recompute.any())))
+                        SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1, 0)
         self.round = []
 
     def _mb_index(self, microbatches: int) -> int:
@@ -152,8 +138,8 @@ class PolicyProposer:
         return int(np.argmin(dist))
 
     def distributions(self, groups: list[int]) -> list[np.ndarray]:
-        """The policy's masked softmax over options for each of ``groups`` in the current plan (with
-        ``uniform``, the ablation: every allowed option equally likely, no forward pass)."""
+        """The policy's masked softmax over actions for each of ``groups`` in the current plan (with
+        ``uniform``, the ablation: every allowed action equally likely, no forward pass)."""
         import torch as th
 
         from agent.infer import trim_padding
@@ -206,21 +192,12 @@ class PolicyProposer:
                 return cand, (v, o)
         return None, None
 
-    def apply(self, plan: Plan, v: int, o: int) -> Plan | None:
-        """``plan`` with group ``v``'s operators (and its class's) on option ``o``; None if unchanged."""
-        opts = self.prep.options
-        devices, layout, dp = opts.groups[o], LAYOUTS[int(opts.layout[o])], int(opts.dp[o])
-        ops = self.members[v]
-        if all(plan.groups[u] == devices and plan.layouts[u] == layout and plan.dp[u] == dp for u in ops.tolist()):
-            return None
-        new = plan.copy(provenance={}, virtual_stages=1)
-        zero = int(plan.zero.max()) if plan.zero.size else 0
-        for u in ops.tolist():
-            new.groups[u], new.layouts[u] = devices, layout
-        new.dp[ops] = dp
-        new.zero[ops] = zero if dp > 1 else 0
-        new.ep[ops] = 1  # the options are not expert-parallel
-        return new
+    def apply(self, plan: Plan, v: int, a: int) -> Plan | None:
+        """``plan`` with group ``v``'s operators (and its class's) on action ``a``; None if unchanged."""
+        c = int(self.prep.class_of[v])
+        groups = self.prep.class_members[c] if c >= 0 else [v]
+        new = self.prep.apply_action(plan, groups, a)
+        return None if new.key() == plan.copy(virtual_stages=1).key() else new
 
     def accepted(self, move: tuple[int, int]) -> None:
         """The policy's move was accepted: the current plan is the assignment with it."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from envs.errors import EnvError, RlplaceError
-from envs.plan import LAYOUTS, SCHEDULES, Plan
+from envs.errors import RlplaceError
+from envs.plan import SCHEDULES, Plan
 
 
 @dataclass
@@ -68,70 +68,75 @@ def best_heuristic_plans(tasks: Sequence, objective: str = "step_time", seed: in
 
 
 # ---------------------------------------------------------------------- replaying a plan in the environment
-def demo_target(prepared, plan: Plan) -> Plan:
-    """``plan`` on the node groups the environment places (``prepared``: its
-    :class:`envs.placement.task_setup.PreparedTask`): a plan on the task's operators is projected onto a
-    coarsened graph's groups (each group takes its members' majority, ``Grouping.project``), a plan on
-    the groups is taken as it is; any other size raises :class:`envs.errors.EnvError`."""
-    if prepared.grouping is not None and plan.num_nodes == prepared.task.graph.num_nodes:
-        return prepared.grouping.project(plan)
-    if plan.num_nodes == prepared.graph.num_nodes:
-        return plan
-    raise EnvError(f"the demonstration plan has {plan.num_nodes} nodes; task {prepared.task.name!r} has "
-                   f"{prepared.task.graph.num_nodes} ops and {prepared.graph.num_nodes} groups")
+def demo_target(prepared, plan: Plan) -> np.ndarray:
+    """``plan`` (on the task's operators, or on the groups the environment places) as one action per
+    group of ``prepared`` (the environment's :class:`envs.placement.task_setup.PreparedTask`):
+    :func:`envs.placement.task_setup.express`; any other size raises :class:`envs.errors.EnvError`."""
+    from envs.placement.task_setup import express
+
+    return express(prepared, plan)
 
 
-def demo_action(env, plan: Plan, lookup: dict | None = None) -> int:
+def demo_action(env, plan: Plan, target: np.ndarray | None = None) -> int:
     """The allowed action of ``env`` (a :class:`envs.placement.env.PlacementEnv` mid-episode) now that
-    best expresses ``plan`` (on the task's operators or on the groups, :func:`demo_target`); ``lookup``:
-    the option table's :meth:`~envs.placement.options.OptionTable.lookup`, if the caller keeps it.
+    best expresses ``plan``; ``target``: :func:`demo_target` of it, if the caller keeps it.
 
-    Global phases take the plan's microbatch count (the nearest allowed choice), schedule and
-    recompute (majority). A node takes the option with the plan's (devices, layout, dp) for it; if that
-    option is not in the table or not allowed now, the allowed option closest to it: same devices,
-    then same layout, then most shared devices, then same dp."""
+    Global phases take the plan's microbatch count (the nearest allowed choice), schedule and virtual
+    stages (the nearest allowed). A node takes the plan's action for it (placement x modifier); if that
+    action is not allowed now, the allowed action closest to it: same placement with the closest
+    modifier (same recomputation, then same ZeRO stage), else the closest placement — same devices,
+    then same layout, then most shared devices, then same dp — with the closest modifier."""
+    from envs.placement.observation import PHASES, VIRTUAL_STAGE_CHOICES
+    from envs.placement.options import MODIFIERS, N_MODIFIERS
+
     phase = env.phase
     if phase is None:
         raise RlplaceError("demo_action needs an episode in progress (call reset())")
     prepared = env.prepared
-    plan = demo_target(prepared, plan)
+    if target is None:
+        target = demo_target(prepared, plan)
     mask = env.action_masks()
     allowed = np.flatnonzero(mask)
-    if phase == 0:
+    name = PHASES[phase]
+    if name == "microbatches":
         want = np.log2(max(int(plan.microbatches), 1))
         dist = [abs(np.log2(env.microbatch_choices[a]) - want) for a in allowed]
         return int(allowed[int(np.argmin(dist))])
-    if phase in (1, 2):
-        a = SCHEDULES.index(plan.schedule) if phase == 1 else int(2 * plan.recompute.sum() > plan.num_nodes)
+    if name == "schedule":
+        a = SCHEDULES.index(plan.schedule)
         return a if mask[a] else int(allowed[0])
-    v = env.node
-    key = (tuple(int(d) for d in plan.groups[v]), plan.layouts[v], int(plan.dp[v]))
+    if name == "virtual_stages":
+        dist = [abs(VIRTUAL_STAGE_CHOICES[a] - int(plan.virtual_stages)) for a in allowed]
+        return int(allowed[int(np.argmin(dist))])
+    want = int(target[env.node])
+    if mask[want]:
+        return want
     options = prepared.options
-    o = (lookup if lookup is not None else options.lookup()).get(key)
-    if o is not None and mask[o]:
-        return int(o)
-    want = set(key[0])
-    lay = LAYOUTS.index(key[1])
+    o_want, k_want = divmod(want, N_MODIFIERS)
+    m_want = MODIFIERS[k_want]
+    devs_want = set(options.groups[o_want])
 
     def closeness(a: int) -> tuple:
-        devs = set(options.groups[a])
-        return (devs == want, int(options.layout[a]) == lay, len(devs & want) / len(devs | want),
-                int(options.dp[a]) == key[2])
+        o, k = divmod(a, N_MODIFIERS)
+        m = MODIFIERS[k]
+        devs = set(options.groups[o])
+        return (o == o_want, devs == devs_want, int(options.layout[o]) == int(options.layout[o_want]),
+                len(devs & devs_want) / len(devs | devs_want), int(options.dp[o]) == int(options.dp[o_want]),
+                m.recompute == m_want.recompute, m.zero == m_want.zero, m.expert_parallel == m_want.expert_parallel)
 
     return int(max(allowed.tolist(), key=closeness))
 
 
 def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = float("nan")) -> Demonstration:
-    """One episode of ``env`` on ``task`` that follows ``plan`` as closely as the option table allows."""
+    """One episode of ``env`` on ``task`` that follows ``plan`` as closely as the action table allows."""
     obs, _ = env.reset(options={"task": task})
-    target = demo_target(env.prepared, plan)  # once per episode, like the option lookup
-    lookup = env.prepared.options.lookup()
+    target = demo_target(env.prepared, plan)  # once per episode
     demo = Demonstration(task=task.name, source=source, heuristic_time=heuristic_time, replay_time=float("nan"),
                          score=float("nan"))
     done, info, reward = False, {}, 0.0
     while not done:
         mask = env.action_masks()
-        a = demo_action(env, target, lookup)
+        a = demo_action(env, plan, target)
         demo.obs.append(obs)
         demo.masks.append(mask)
         demo.actions.append(a)
@@ -150,9 +155,27 @@ def collect(tasks: Sequence, env_kwargs: dict, plans: dict[str, tuple[str, Plan,
     return [replay(env, t, plans[t.name][1], plans[t.name][0], plans[t.name][2]) for t in tasks if t.name in plans]
 
 
+BC_LEARNING_RATE = 3e-3  # cloning a fixed set of decisions: faster than PPO's steps (measured on a 8-step
+# plan: 150 epochs at 1e-3 cloned 50% of the decisions, at 3e-3 87%)
+
+
 def behaviour_clone(model, demos: Sequence[Demonstration], *, epochs: int = 20, batch_size: int = 128,
-                    seed: int = 0, log: Callable[[str], None] | None = None) -> dict:
-    """Fit ``model.policy`` to the demonstrations (masked cross-entropy + value regression); returns stats."""
+                    seed: int = 0, learning_rate: float = BC_LEARNING_RATE,
+                    log: Callable[[str], None] | None = None) -> dict:
+    """Fit ``model.policy`` to the demonstrations (masked cross-entropy + value regression) with the
+    policy's optimiser at ``learning_rate`` (PPO's own rate is restored after); returns stats."""
+    lrs = [g["lr"] for g in model.policy.optimizer.param_groups]
+    for g in model.policy.optimizer.param_groups:
+        g["lr"] = float(learning_rate)
+    try:
+        return _clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed, log=log)
+    finally:
+        for g, lr in zip(model.policy.optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+
+def _clone(model, demos: Sequence[Demonstration], *, epochs: int, batch_size: int, seed: int,
+           log: Callable[[str], None] | None) -> dict:
     import torch as th
 
     say = log or (lambda _m: None)
@@ -200,6 +223,7 @@ def behaviour_clone(model, demos: Sequence[Demonstration], *, epochs: int = 20, 
 
 
 def warm_start(model, tasks: Sequence, env_kwargs: dict, *, epochs: int = 20, batch_size: int = 128, seed: int = 0,
+               learning_rate: float = BC_LEARNING_RATE,
                plans: dict | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Heuristics -> demonstrations -> behaviour cloning (see the module docstring); returns a report."""
     say = log or (lambda _m: None)
@@ -207,7 +231,8 @@ def warm_start(model, tasks: Sequence, env_kwargs: dict, *, epochs: int = 20, ba
     plans = plans if plans is not None else best_heuristic_plans(tasks, env_kwargs.get("objective", "step_time"), seed)
     demos = collect(tasks, env_kwargs, plans)
     t_demo = time.perf_counter() - t
-    stats = behaviour_clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed, log=say)
+    stats = behaviour_clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed,
+                            learning_rate=learning_rate, log=say)
     stats.update({"demo_seconds": round(t_demo, 2), "seconds": round(time.perf_counter() - t, 2),
                   "demonstrations": [{"task": d.task, "source": d.source, "heuristic_ms": d.heuristic_time * 1e3,
                                       "replay_ms": d.replay_time * 1e3, "score": d.score} for d in demos]})

@@ -214,17 +214,19 @@ def load_policy(path: str | os.PathLike | None = None):
         model = MaskablePPO.load(p, device="cpu")
     except Exception as exc:  # a corrupt zip, a pickle of unknown classes, ...
         raise PlaceError(f"cannot load policy {p}: {type(exc).__name__}: {one_line(exc)}") from None
-    model.episode_kwargs = run_episode_kwargs(p)
+    saved = getattr(model, "episode_kwargs", None)  # stored with the model by agent.train
+    model.episode_kwargs = {**(saved if isinstance(saved, dict) else {}), **run_episode_kwargs(p)}
     return model
 
 
-EPISODE_KEYS = ("mode", "refine_init", "refine_passes", "order")
+EPISODE_KEYS = ("mode", "refine_init", "refine_passes", "order", "microbatch_choices")
 
 
 def run_episode_kwargs(policy_path: Path) -> dict:
-    """How the policy's training run built its episodes (``mode``, ``refine_*``, ``order`` of the run's
-    ``config.yaml``, next to ``model.zip`` or one level above a checkpoint), so a policy trained in
-    refine mode also places in refine mode; ``{}`` when there is no run config (the shipped policy)."""
+    """How the policy's training run built its episodes (``mode``, ``refine_*``, ``order``,
+    ``microbatch_choices`` of the run's ``config.yaml``, next to ``model.zip`` or one level above a
+    checkpoint), so a policy trained in refine mode also places in refine mode; ``{}`` when there is no
+    run config (a copied policy: then the settings saved with the model apply)."""
     import yaml
 
     for d in (policy_path.parent, policy_path.parent.parent):
@@ -271,10 +273,21 @@ def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.
     argmax or samples from the masked softmax; returns each episode's final info."""
     import torch as th
 
-    from envs.placement.observation import STATIC_KEYS
-
     fe = model.policy.features_extractor
     rng = rng or np.random.default_rng()
+    threads = th.get_num_threads()
+    th.set_num_threads(1)  # the same float sums in every process, so greedy plans do not depend on threads
+    try:
+        return _rollouts(fe, envs, task, deterministic, rng)
+    finally:
+        th.set_num_threads(threads)
+
+
+def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Generator) -> list[dict]:
+    import torch as th
+
+    from envs.placement.observation import STATIC_KEYS
+
     obs = [e.reset(options={"task": task})[0] for e in envs]
     done = [False] * len(envs)
     infos: list[dict] = [{} for _ in envs]

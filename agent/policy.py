@@ -21,11 +21,15 @@ rounds so a node sees where its neighbours were placed. Measured: without that r
 on tiny graphs got worse instead of better; with it, a PPO update on a 200-group graph is about 4x
 slower (22 s vs 5 s per 1024 steps on this 2-core machine).
 
-- **Option scorer** — for each option: ``MLP([option features, option state, mean embedding of its
-  devices, embedding of the node being decided, graph summary]) -> logit``. The same weights serve
-  any number of nodes, devices and options up to the padding.
-- **Global heads** — the first three decisions of an episode (microbatches, schedule, recompute) are
-  scored by small heads on the graph summary; the ``phase`` one-hot picks which logits apply.
+- **Action scorer** — an action is a placement row x a modifier row (``envs.placement.options``). For
+  each placement: ``z = MLP([placement features, placement state, mean embedding of its devices,
+  embedding of the node being decided, graph summary])`` and a logit from ``z``; for each (placement,
+  modifier): a small MLP over ``[W z, modifier features, action state]`` adds the modifier's logit
+  (a factored score: placements x modifiers rows cost one small layer each). The same weights serve
+  any number of nodes, devices and placements up to the padding, and new modifier rows.
+- **Global heads** — the global decisions of an episode (microbatches, schedule, virtual stages) are
+  scored by small heads on the graph summary (``GLOBAL_CHOICES`` logits each, the first actions); the
+  ``phase`` one-hot picks which logits apply.
 - **Value head** — an MLP over the pooled embedding (masked mean of nodes and of devices, globals).
 
 Which arrays are static and which dynamic is the environment's declaration
@@ -53,9 +57,14 @@ from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from torch import nn
 
-from envs.placement.observation import STATIC_KEYS
+from envs.placement.observation import GLOBAL_CHOICES, GLOBAL_PHASES, PLACE_PHASE, STATIC_KEYS
 
-N_GLOBAL_HEADS = 3  # microbatches, schedule, recompute
+N_GLOBAL_HEADS = len(GLOBAL_PHASES)  # microbatches, schedule, virtual stages
+MODIFIER_HIDDEN = 16  # width of the per-(placement, modifier) layer
+MODIFIER_PRIOR = (0.0, -4.0, -4.0, -2.0)
+# output layers start small (a near-uniform policy, plus the priors) but not so small that cloning a
+# plan needs thousands of steps to grow them: with 1e-3, 200 Adam steps cloned 8 decisions to 75%
+HEAD_INIT_STD = 0.05  # initial weights on the action-state columns (see the extractor)
 
 
 def mlp(sizes: list[int], act: type[nn.Module] = nn.SiLU, last_act: bool = False) -> nn.Sequential:
@@ -103,7 +112,7 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
     """GNN over the placement observation; ``forward`` returns ``[action logits | pooled embedding]``.
 
     :meth:`action_logits_and_pooled` works for any padding (the number of actions is the observation's
-    ``option_features`` rows), which :mod:`agent.infer` uses to run a policy on larger graphs and
+    ``option_features`` rows x the modifier rows), which :mod:`agent.infer` uses to run a policy on larger graphs and
     topologies than it was trained with."""
 
     def __init__(self, observation_space: gym.spaces.Dict, hidden: int = 64, rounds: int = 3,
@@ -111,10 +120,12 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
                  cache_size: int = 32):
         sp = observation_space.spaces
         self.max_options = int(sp["option_features"].shape[0])
+        self.n_modifiers = int(sp["modifier_features"].shape[0])
+        self.n_actions = int(sp["action_mask"].shape[0])
         self.n_globals = int(sp["globals"].shape[0])
         self.n_phases = int(sp["phase"].shape[0])
         self.hidden = int(hidden)
-        super().__init__(observation_space, features_dim=self.max_options + self.pooled_dim)
+        super().__init__(observation_space, features_dim=self.n_actions + self.pooled_dim)
         opt_in = sp["option_features"].shape[1] + sp["option_state"].shape[1]
         edge_dim = sp["edge_features"].shape[1]
         h = self.hidden
@@ -132,14 +143,22 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         self.dyn_rounds = nn.ModuleList([MessagePassing(h, edge_dim) for _ in range(int(dynamic_rounds))])
         self.opt_in = mlp([opt_in, h], last_act=True)
         ctx = self.n_globals + self.n_phases
-        self.scorer = mlp([4 * h + ctx, h, h, 1])
-        self.global_heads = mlp([2 * h + ctx, h, N_GLOBAL_HEADS * self.max_options])
+        self.scorer = mlp([4 * h + ctx, h, h], last_act=True)
+        self.score_out = nn.Linear(h, 1)
+        mh = MODIFIER_HIDDEN
+        self.mod_proj = nn.Linear(h, mh)
+        self.mod_in = nn.Linear(sp["modifier_features"].shape[1] + sp["action_state"].shape[-1], mh)
+        self.mod_out = nn.Sequential(nn.SiLU(), nn.Linear(mh, 1))
+        self.global_heads = mlp([2 * h + ctx, h, N_GLOBAL_HEADS * GLOBAL_CHOICES])
         # optional learnable prior on the option-state columns (memory after, log2 time ratio, input
         # locality): logit += prior . option_state. It starts the policy near "fast options where the
         # inputs already are" instead of uniform, which the sparse end-of-episode reward needs.
         self.option_prior = None if prior is None else nn.Parameter(th.tensor([float(x) for x in prior]))
-        for head in (self.scorer[-1], self.global_heads[-1]):  # start near the uniform policy
-            nn.init.normal_(head.weight, std=1e-3)
+        # the same for the action-state columns (memory after, overflow, log2 compute factor, log2 gradient
+        # sync factor): a modifier that overflows memory or adds compute or communication starts unlikely
+        self.modifier_prior = nn.Parameter(th.tensor(MODIFIER_PRIOR))
+        for head in (self.score_out, self.mod_out[-1], self.global_heads[-1]):  # start near the uniform policy
+            nn.init.normal_(head.weight, std=HEAD_INIT_STD)
             nn.init.zeros_(head.bias)
         self._cache: OrderedDict[tuple, tuple[th.Tensor, th.Tensor]] = OrderedDict()
         self._cache_size = int(cache_size)
@@ -285,17 +304,21 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         opt = self.opt_in(th.cat([obs["option_features"], obs["option_state"]], dim=-1))
         rows = th.cat([opt, opt_dev, cur.unsqueeze(1).expand(-1, k, -1), g_nodes.unsqueeze(1).expand(-1, k, -1),
                        ctx.unsqueeze(1).expand(-1, k, -1)], dim=-1)
-        place_logits = self.scorer(rows).squeeze(-1)
+        z = self.scorer(rows)
+        place_logits = self.score_out(z).squeeze(-1)
         if self.option_prior is not None:
             place_logits = place_logits + obs["option_state"] @ self.option_prior
-        glob = self.global_heads(pooled).view(-1, N_GLOBAL_HEADS, self.max_options)
-        if k >= self.max_options:
-            glob = nn.functional.pad(glob, (0, k - self.max_options))
-        else:
-            glob = glob[..., :k]
+        b, km = z.shape[0], self.n_modifiers
+        mods = obs["modifier_features"].unsqueeze(1).expand(-1, k, -1, -1)
+        pair = self.mod_in(th.cat([mods, obs["action_state"]], dim=-1)) + self.mod_proj(z).unsqueeze(2)
+        mod_logits = self.mod_out(pair).squeeze(-1) + obs["action_state"] @ self.modifier_prior
+        action_logits = (place_logits.unsqueeze(-1) + mod_logits).reshape(b, k * km)
+        n_act = k * km
+        glob = self.global_heads(pooled).view(-1, N_GLOBAL_HEADS, GLOBAL_CHOICES)
+        glob = nn.functional.pad(glob, (0, n_act - GLOBAL_CHOICES)) if n_act >= GLOBAL_CHOICES else glob[..., :n_act]
         phase = obs["phase"]
-        logits = phase[:, N_GLOBAL_HEADS:].sum(-1, keepdim=True) * place_logits
-        logits = logits + (phase[:, :N_GLOBAL_HEADS].unsqueeze(-1) * glob).sum(1)
+        logits = phase[:, PLACE_PHASE:PLACE_PHASE + 1] * action_logits
+        logits = logits + (phase[:, list(GLOBAL_PHASES)].unsqueeze(-1) * glob).sum(1)
         return logits, pooled
 
     def forward(self, observations: dict[str, th.Tensor]) -> th.Tensor:

@@ -38,7 +38,7 @@ class SelfImitationCallback(BaseCallback):
 
     def __init__(self, tasks: Sequence, env_kwargs: dict, best: Callable[[], dict], *, every: int = 4,
                  epochs: int = 5, batch_size: int = 128, seed: int = 0, known: dict | None = None,
-                 log: Callable[[str], None] | None = None):
+                 learning_rate: float | None = None, log: Callable[[str], None] | None = None):
         super().__init__()
         self.known = dict(known or {})  # plans known before training (the imitated heuristics), same keys
         self.tasks = list(tasks)
@@ -48,6 +48,7 @@ class SelfImitationCallback(BaseCallback):
         self.epochs = int(epochs)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
+        self.learning_rate = learning_rate
         self.say = log or (lambda _m: None)
         self.rollouts = 0
         self.rounds = 0
@@ -79,8 +80,9 @@ class SelfImitationCallback(BaseCallback):
         demos = [replay(self._env, t, best[t.name]["plan"], "best so far", float(best[t.name]["step_time"]))
                  for t in self.tasks if t.name in best]
         self.rounds += 1
+        lr = {} if self.learning_rate is None else {"learning_rate": float(self.learning_rate)}
         self.last = behaviour_clone(self.model, demos, epochs=self.epochs, batch_size=self.batch_size,
-                                    seed=self.seed + self.rounds)
+                                    seed=self.seed + self.rounds, **lr)
         self._cloned = keys
         if self.last.get("epochs"):
             self.logger.record("self_imitation/cross_entropy", self.last["last_loss"])

@@ -421,7 +421,7 @@ def _save_interrupted(model, run: Path, cfg: TrainConfig) -> TrainingInterrupted
 def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.PathLike | None = None,
           total_steps: int | None = None, resume: bool = False, progress: bool = True, verbose: int = 0,
           log: Callable[[str], None] | None = print, callbacks: Sequence = (), deadline: float | None = None,
-          init_weights: str | os.PathLike | None = None) -> TrainResult:
+          init_weights: str | os.PathLike | None = None, executor=None) -> TrainResult:
     """Train (or resume) a MaskablePPO placement policy as the config says; returns the run summary.
 
     ``total_steps`` overrides the config's ``total_timesteps``: the step counter the run should reach
@@ -433,7 +433,11 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
     ``time.perf_counter()`` value) ends PPO once that moment has passed, whatever the step count;
     ``init_weights`` (a model zip, new runs only) initialises the policy's weights before the imitation
     warm start (the GNN is padding-agnostic: a policy trained with other padding fits as long as its
-    widths and option count agree)."""
+    widths and option count agree).
+
+    A config with an ``expert_iteration`` section trains by expert iteration instead
+    (:mod:`agent.expert_iteration`: rounds of search, distillation, PPO and held-out evaluation over the
+    drawn ``tasks.distribution``; ``executor``, an :class:`agent.scale.Executor`, runs its searches)."""
     import torch as th
 
     from agent.callbacks import DeadlineCallback, atomic_save
@@ -454,6 +458,9 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
     cfg = _resume_config(run, given) if resume else given
     if not resume:
         check_output_dir(run, "run directory")
+    if cfg.spec.expert_iteration is not None:
+        return _train_by_expert_iteration(cfg, given, run, resume=resume, progress=progress, verbose=verbose, say=say,
+                                          init_weights=init_weights, deadline=deadline, t0=t0, executor=executor)
     tasks, eval_tasks = task_lists(cfg)
     kw = env_kwargs(cfg)
     source = _resume_source(run, say) if resume else None
@@ -481,6 +488,47 @@ def train(config: str | os.PathLike | dict | TrainConfig, *, run_dir: str | os.P
                        best=best_cb.summary(), seconds=time.time() - t0, model=model, config=cfg, tasks=list(tasks),
                        episodes=best_cb.episodes, imitation=imitation,
                        self_imitation_rounds=None if self_imitation is None else self_imitation.rounds)
+
+
+def _train_by_expert_iteration(cfg: TrainConfig, given: TrainConfig, run: Path, *, resume: bool, progress: bool,
+                               verbose: int, say: Callable[[str], None], init_weights, deadline: float | None,
+                               t0: float, executor) -> TrainResult:
+    """:func:`train` for a config with an ``expert_iteration`` section."""
+    from agent.expert_iteration import expert_iteration
+
+    kw = env_kwargs(cfg)
+    weights = _policy_weights(init_weights) if init_weights is not None else None
+    venvs: list = []
+
+    def model_factory(tasks: Sequence):
+        from envs.placement.env import PlacementEnv
+
+        try:
+            if cfg.n_envs > 1:
+                PlacementEnv(list(tasks), **kw).close()  # the workers build the same env
+            venv = make_vec_env(tasks, kw, cfg.n_envs, cfg.seed)
+        except RlplaceError as exc:
+            raise TrainError(f"{cfg.where}env: {one_line(exc)}") from None
+        venvs.append(venv)
+        model = _new_model(cfg, venv, run, verbose, weights)
+        if weights is not None:
+            say(f"initial weights from {init_weights}")
+        return model, venv
+
+    run.mkdir(parents=True, exist_ok=True)
+    try:
+        res = expert_iteration(cfg, run, model_factory=model_factory, resume=resume, progress=progress, log=say,
+                               executor=executor, deadline=deadline)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(f"expert iteration interrupted; finished phases are kept; resume with: rlplace "
+                                  f"train --config {shlex.quote(cfg.source or str(run / 'config.yaml'))} --run-dir "
+                                  f"{shlex.quote(str(run))} --resume", run / "expert_iteration.json", 0) from None
+    finally:
+        for v in venvs:
+            _close_quietly(v)
+    return TrainResult(run_dir=run, model_path=res.model_path, num_timesteps=int(res.model.num_timesteps), best={},
+                       seconds=time.time() - t0, model=res.model, config=cfg, tasks=[],
+                       imitation={"rounds": res.rounds})
 
 
 def _resume_source(run: Path, say: Callable[[str], None]) -> Path:
@@ -518,9 +566,18 @@ def _new_model(cfg: TrainConfig, venv, run: Path, verbose: int, weights: dict | 
             raise InitWeightsMismatch("initial weights do not fit the config's policy: "
                                       + "; ".join(differences[:3]) + more)
         model.policy.load_state_dict(weights)
+    model.episode_kwargs = episode_settings(cfg)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run / "config.yaml", yaml.safe_dump({**cfg.raw, "name": cfg.name}, sort_keys=False))
     return model
+
+
+def episode_settings(cfg: TrainConfig) -> dict:
+    """The env settings a policy must place with (saved with the model: agent.infer.EPISODE_KEYS)."""
+    from agent.infer import EPISODE_KEYS
+
+    env = {**cfg.spec.env.model_dump(), **cfg.env}
+    return {k: (list(env[k]) if isinstance(env[k], (list, tuple)) else env[k]) for k in EPISODE_KEYS if k in env}
 
 
 def weight_differences(wanted: dict, given: dict) -> list[str]:

@@ -66,7 +66,7 @@ def test_policy_is_padding_agnostic():
     obs, _ = big.reset(seed=0)
     with th.no_grad():
         logits, pooled = fe.action_logits_and_pooled({k: th.as_tensor(v)[None] for k, v in obs.items()})
-    assert logits.shape == (1, big.max_options)
+    assert logits.shape == (1, big.n_actions)
     assert th.isfinite(logits).all() and th.isfinite(pooled).all()
     info = rollout(model, big, big.task, deterministic=True)
     assert info["plan"].num_nodes == big.task.graph.num_nodes
@@ -392,11 +392,13 @@ def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
     d = tmp_path / "refine-run"
     d.mkdir()
     shutil.copy(run["res"].model_path, d / "model.zip")
-    assert load_policy(d / "model.zip").episode_kwargs == {}  # no run config: place mode
+    saved = {"mode": "place", "refine_init": "best", "refine_passes": 1, "order": "topological",
+             "microbatch_choices": [1, 2, 4, 8, 16, 32]}
+    assert load_policy(d / "model.zip").episode_kwargs == saved  # no run config: the settings saved with it
     (d / "config.yaml").write_text(yaml.safe_dump({"env": {"mode": "refine", "refine_init": "data_parallel",
                                                            "max_nodes": 8}}))
     model = load_policy(d / "model.zip")
-    assert model.episode_kwargs == {"mode": "refine", "refine_init": "data_parallel"}
+    assert model.episode_kwargs == {**saved, "mode": "refine", "refine_init": "data_parallel"}
     g, topo = load_builtin_graph("gpt-tiny"), resolve_topology("pcie-4gpu")
     res = place(g, topo, model=model, samples=1, seed=0, baselines=False)
     names = [c.name for c in res.candidates]

@@ -18,7 +18,14 @@ from envs.examples import transformer_graph
 from envs.graph import OpGraph, chain_graph
 from envs.placement.env import PlacementEnv
 from envs.placement.observation import DYNAMIC_KEYS, OBSERVATION, STATIC_KEYS, DynamicState
-from envs.placement.options import OptionTable, decision_order
+from envs.placement.options import (
+    MODIFIERS,
+    N_MODIFIERS,
+    OptionTable,
+    action_of,
+    decision_order,
+    split_action,
+)
 from envs.placement.reward import plan_reward
 from envs.plan import single_device_plan
 from envs.presets import preset
@@ -109,8 +116,8 @@ def test_random_masked_rollouts_give_valid_plans(order):
     for _ in range(12):
         total, steps, info = rollout(env, rng)
         task = env.task
-        assert steps == 3 + info["num_groups"]
         plan = info["plan"]
+        assert steps == 2 + info["num_groups"] + (plan.virtual_stages > 1 or steps == 3 + info["num_groups"])
         assert plan.num_nodes == task.graph.num_nodes  # expanded to operators
         plan.validate(task.graph, task.topology)
         assert info["plan_json"]["format"] == "rlplace.plan"
@@ -128,11 +135,11 @@ def test_phases_and_intermediate_rewards(small_tasks):
     obs, info = env.reset(seed=0)
     assert info["phase"] == "microbatches"
     np.testing.assert_array_equal(np.flatnonzero(env.action_masks()), [0, 1, 2, 3])  # 16 does not divide 8
-    for phase in ("schedule", "recompute", "place"):
+    for phase in ("schedule", "place"):
         obs, r, done, _, info = env.step(int(np.flatnonzero(env.action_masks())[-1]))
         assert r == 0.0 and not done and info["phase"] == phase
     assert obs["current_node"].sum() == 1
-    assert obs["phase"][3] == 1
+    assert obs["phase"][2] == 1
     rng = np.random.default_rng(0)
     done = False
     while not done:
@@ -140,7 +147,7 @@ def test_phases_and_intermediate_rewards(small_tasks):
         if not done:
             assert r == 0.0
     plan = info["plan"]
-    assert plan.microbatches == 8 and plan.schedule == "1f1b" and plan.recompute.all()
+    assert plan.microbatches == 8 and plan.schedule == "1f1b"
 
 
 def test_coarsened_task_expands_to_operators():
@@ -158,7 +165,7 @@ def test_invalid_action_is_replaced_by_an_allowed_one(small_tasks):
     for _ in range(3):
         env.step(0)
     mask = env.action_masks()
-    bad = int(np.flatnonzero(~mask)[0])
+    bad = int(np.flatnonzero(~mask[:env.prepared.num_actions])[0])
     _, _, _, _, info = env.step(bad)
     assert info["invalid_action"]
 
@@ -171,7 +178,7 @@ def test_refine_mode_rewards_telescope(small_tasks):
         start = env.current_plan_reward
         assert obs["node_state"][: info["num_groups"], 0].all()  # a complete plan from the start
         total, steps, info = rollout_from(env, obs, rng)
-        assert steps == 2 * info["num_groups"]
+        assert steps - 2 * info["num_groups"] in (2, 3)  # microbatches, schedule, [virtual stages]
         assert np.isclose(total, info["score"] - start)
         info["plan"].validate(env.task.graph, env.task.topology)
 
@@ -212,7 +219,7 @@ def test_refine_start_is_the_best_heuristic(small_tasks):
         e = PlacementEnv(small_tasks[:1], mode="refine", refine_init=name)
         e.reset(seed=0)
         assert e.current_plan_reward <= best + 1e-12
-        assert e.prepared.start.name == name
+        assert e.prepared.start.name.startswith(name.replace("_", " ") if name == "megatron" else name)
 
 
 def test_critical_path_order_is_topological():
@@ -234,17 +241,21 @@ def test_memory_mask_hides_devices_that_certainly_overflow():
     g = heavy_chain()
     env = PlacementEnv([Task(g, preset("dgx-a100-80g"))])
     env.reset(seed=0)
-    for a in (0, 0, 0):  # 1 microbatch, gpipe, no recompute
+    for a in (0, 0):  # 1 microbatch, gpipe
         env.step(a)
-    env.step(0)  # op0 on gpu0 (30 GB)
-    assert env.action_masks()[0]  # 60 GB still fits
-    env.step(0)
+    env.step(action_of(0))  # op0 on gpu0 (30 GB)
+    assert env.action_masks()[action_of(0)]  # 60 GB still fits
+    env.step(action_of(0))
     mask = env.action_masks()
-    assert not mask[0] and mask[1]  # 90 GB on gpu0 cannot fit; gpu1 can
+    assert not mask[action_of(0)] and mask[action_of(1)]  # 90 GB on gpu0 cannot fit; gpu1 can
     # a 4-way split of 30 GB fits next to the 60 GB on gpu0
     opts = env.prepared.options
     four = [o for o, g_ in enumerate(opts.groups) if g_ == (0, 1, 2, 3) and opts.state_div[o] == 4]
-    assert four and all(mask[o] for o in four)
+    assert four and all(mask[action_of(o)] for o in four)
+    # so does ZeRO-3 over 4 data-parallel replicas (30 GB / 4 per device), not ZeRO-0 or 1
+    dp4 = next(o for o, g_ in enumerate(opts.groups) if g_ == (0, 1, 2, 3) and opts.dp[o] == 4)
+    by_zero = {m.zero: k for k, m in enumerate(MODIFIERS) if m.recompute == "none" and not m.expert_parallel}
+    assert mask[action_of(dp4, by_zero[3])] and not mask[action_of(dp4, by_zero[0])]
 
 
 def test_colocated_nodes_follow_their_class():
@@ -252,10 +263,10 @@ def test_colocated_nodes_follow_their_class():
     g.colocation = np.array([0, -1, 0, -1, -1, 0])
     env = PlacementEnv([Task(g, preset("dgx-a100-80g"))])
     env.reset(seed=0)
-    for a in (0, 0, 0, 5):  # op0 on gpu5
+    for a in (0, 0, action_of(5)):  # op0 on gpu5
         env.step(a)
-    env.step(2)  # op1 on gpu2
-    np.testing.assert_array_equal(np.flatnonzero(env.action_masks()), [5])
+    env.step(action_of(2))  # op1 on gpu2
+    np.testing.assert_array_equal(np.flatnonzero(env.action_masks()), [action_of(5)])
     rng = np.random.default_rng(0)
     done = False
     while not done:
@@ -285,7 +296,7 @@ def test_oom_plan_is_flagged_and_penalised():
     done = False
     while not done:
         assert env.action_masks()[0]
-        _, r, done, _, info = env.step(0)
+        _, r, done, _, info = env.step(0)  # gpu0, no modifier (and 1 microbatch, GPipe)
     assert "invalid_action" not in info
     assert info["oom"] and r < -1 and np.isclose(r, info["score"])
     assert info["peak_memory"][0] > info["memory_capacity"][0]
@@ -326,8 +337,10 @@ def test_bad_input_fails_at_construction():
     huge = heavy_chain(n=8, state_gb=100.0)  # 800 GB of model states > 8 x 80 GB
     with pytest.raises(EnvError, match="no plan fits"):
         PlacementEnv([Task(huge, topo)])
+    one_device = chain_graph(2, param_bytes=200e9 / 8, batch_size=8, kind="layernorm")
+    one_device.layout_caps[:] = 0  # no split of any kind, so no ZeRO either
     with pytest.raises(EnvError, match="no device holds"):
-        PlacementEnv([Task(chain_graph(2, param_bytes=200e9 / 8, batch_size=8, kind="layernorm"), topo)])
+        PlacementEnv([Task(one_device, topo)])
     with pytest.raises(EnvError, match="microbatch"):
         PlacementEnv([Task(big, topo, batch=3)], microbatch_choices=(2, 4))
     with pytest.raises(EnvError, match="max_devices"):  # a sampler's first draw is probed
@@ -405,7 +418,7 @@ def test_graph_policy_trains_on_a_tiny_task():
     assert all(th.isfinite(v).all() for v in after.values())
     info = rollout(model, env, task, deterministic=True)
     info["plan"].validate(task.graph, task.topology)
-    res = CachedSimulation().evaluate(env.graph, task.topology, info["group_plan"])
+    res = CachedSimulation().evaluate(task.graph, task.topology, info["plan"])
     assert np.isclose(res.value, info["step_time"])
     assert np.isclose(plan_reward(res, env.reference()["time"]), info["score"])
 
@@ -417,14 +430,16 @@ def test_option_table_layouts_and_mixed_parallelism():
     look = opts.lookup()
     assert all(((d,), "single", 1) in look for d in range(16))
     assert ((0, 1, 2, 3), "batch_split", 4) in look and ((0, 1, 2, 3), "col_split", 1) in look
+    assert ((0, 1, 2, 3), "col_split", 2) in look and ((0, 1, 2, 3), "seq_split", 1) in look  # tp 2 x dp 2, tp 4
     whole = tuple(range(16))
     assert (whole, "batch_split", 16) in look
-    # across hosts: tensor parallel inside each host (tp = 8), data parallel across the 2 hosts
-    assert (whole, "row_split", 2) in look and (whole, "col_split", 16) not in look
+    # across hosts: tensor parallel inside each host (tp = 2, 4 or 8), data parallel across and beside it
+    assert (whole, "row_split", 2) in look and (whole, "row_split", 8) in look and (whole, "col_split", 1) not in look
+    assert sorted(int(t) for g_, t in zip(opts.groups, opts.tp) if g_ == whole) == [1] + [2] * 4 + [4] * 4 + [8] * 4
     caps = np.array([1 | 8, 1 | 2 | 4 | 8, 1 | 2 | 8, 0, 1])
-    ok = opts.allowed(caps)
-    lay = np.array(["single", "batch_split", "col_split", "row_split", "replicate"])[opts.layout]
-    assert not ok[0, lay == "col_split"].any() and ok[1].all()
+    ok = opts.allowed(caps, seq_ok=np.array([False, True, False, False, False]))
+    lay = np.array(["single", "batch_split", "col_split", "row_split", "replicate", "seq_split"])[opts.layout]
+    assert not ok[0, lay == "col_split"].any() and ok[1].all() and not ok[2, lay == "seq_split"].any()
     assert not ok[2, lay == "row_split"].any() and ok[2, lay == "col_split"].all()
     assert ok[3, lay == "single"].all() and not ok[3, opts.dp > 1].any()
     assert not ok[3, lay != "single"].any()  # caps 0: one device only, no replicate either
@@ -443,6 +458,7 @@ def test_multi_host_rollouts_are_valid():
 def test_observations_are_fresh_arrays(small_tasks):
     env = PlacementEnv(small_tasks[:1])
     o1, _ = env.reset(seed=0)
+    assert split_action(action_of(7, 3)) == (7, 3) and N_MODIFIERS == len(MODIFIERS)
     o2, *_ = env.step(0)
     assert all(not np.shares_memory(o1[k], o2[k]) for k in o1)
 
@@ -477,7 +493,7 @@ def test_static_and_dynamic_keys_are_declared_once(small_tasks):
             for k in STATIC_KEYS:
                 np.testing.assert_array_equal(obs[k], first[k], err_msg=k)
             assert all(obs[k].shape == env.observation_space[k].shape for k in OBSERVATION)
-    dyn = DynamicState(8, 4, 36, len(env.microbatch_choices))
+    dyn = DynamicState(8, 4, 48, len(env.microbatch_choices))
     assert tuple(dyn.arrays()) == DYNAMIC_KEYS
 
 
@@ -503,7 +519,8 @@ def test_trim_padding_follows_the_declared_axes(small_tasks):
     assert set(full) == set(OBSERVATION)
     assert full["node_features"].shape[0] == n and full["node_devices"].shape == (n, d)
     assert full["edge_index"].shape == (2, m) and full["device_bandwidth"].shape == (d, d)
-    assert full["option_devices"].shape == (env.max_options, d) and full["action_mask"].shape == (env.max_options,)
+    assert full["option_devices"].shape == (env.max_options, d)
+    assert full["action_mask"].shape == (env.max_options * N_MODIFIERS,)
     assert tuple(trim_padding(obs, dynamic_only=True)) == DYNAMIC_KEYS
 
 

@@ -119,7 +119,7 @@ BAD = [  # (overrides of FAST, the one-line error after "<file>: ")
     ({"tasks": {"builtin": "gpt-tiny"}}, "tasks.builtin: Input should be a valid list"),
     ({"tasks": {"batches": [0]}}, "tasks.batches[0]: Input should be greater than or equal to 1"),
     ({"tasks": {"size": "huge"}}, "tasks.size: Input should be"),
-    ({"tasks": {"builtin": []}}, "tasks: needs 'builtin', 'specs' or 'families'"),
+    ({"tasks": {"builtin": []}}, "tasks: needs 'builtin', 'specs', 'families' or 'distribution'"),
     ({"eval_tasks": {"builtin": ["moe-wide"], "topology": "pcie-4gpu"}}, "eval_tasks.topology: unknown key"),
     ({"imitation": {"epoch": 3}}, "imitation.epoch: unknown key"),
     ({"imitation": {"epochs": 0}}, "imitation.epochs: Input should be greater than or equal to 1"),
@@ -147,7 +147,7 @@ def test_good_configs_and_yaml_leniency(tmp_path):
     text = yaml.safe_dump(config(self_imitation=True, imitation=True, ppo=DROP))
     cfg = load_config(write(tmp_path, text + "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, learning_rate: 3e-4}\n"))
     assert cfg.ppo["learning_rate"] == 3e-4 and cfg.ppo["gamma"] == 1.0 and cfg.ppo["clip_range"] == 0.2
-    assert cfg.self_imitation == {"every": 4, "epochs": 5, "batch_size": 128}
+    assert cfg.self_imitation == {"every": 4, "epochs": 5, "batch_size": 128, "learning_rate": 3e-3}
     assert cfg.imitation == {"epochs": 20, "batch_size": 128}
     assert cfg.callbacks == {"eval_freq": 64, "checkpoint_freq": 64, "baselines": False, "n_eval_episodes": None}
     assert cfg.env == {"max_nodes": 8, "max_devices": 4, "objective": "step_time", "order": "topological"}

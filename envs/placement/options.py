@@ -1,11 +1,22 @@
 """What a node group can be assigned, and in which order an episode decides the groups.
 
-The option table (:class:`OptionTable`) lists every (device group, layout) a node may take: each single
-device with ``single``; each group of ``topology.hierarchy_groups()`` with ``batch_split`` (dp = group
-size), ``col_split``, ``row_split`` and ``replicate`` (tensor parallel: tp = group size inside one host;
-a group spanning hosts uses tp = devices per host and dp = number of hosts, i.e. tensor parallelism on
-NVLink and data parallelism across the network, as Megatron-LM places them). The single-device options
-come first, in device order, so option ``d < num_devices`` is device ``d`` alone.
+A node group's choice is an *action* = a **placement** row x a **modifier** row:
+
+- the placement table (:class:`OptionTable`) lists every (device group, layout, dp, tp) a node may take:
+  each single device with ``single``; each group of ``topology.hierarchy_groups()`` with ``batch_split``
+  (dp = group size) and, for every tensor-parallel degree tp >= 2 that divides the group's devices on
+  each of its hosts (tensor parallelism stays inside a host, as Megatron-LM places it), ``col_split``,
+  ``row_split``, ``replicate`` and ``seq_split`` (sequence parallelism) with dp = group size / tp. The
+  single-device rows come first, in device order, so placement ``d < num_devices`` is device ``d`` alone;
+- the modifier table (:data:`MODIFIERS`) lists the per-group memory/communication choices: the ZeRO
+  stage over the group's data-parallel replicas (0-3, Rajbhandari et al. SC'20), activation
+  recomputation (``none``, ``selective`` = the group's attention-core ops, Korthikanti et al. 2022, or
+  ``full``) and expert parallelism (the group's experts spread over its data-parallel ranks). Modifier 0
+  is (ZeRO 0, no recomputation, no expert parallelism).
+
+Action ``a`` = ``placement * len(MODIFIERS) + modifier`` (:func:`action_of`, :func:`split_action`).
+New choices are new rows of either table with their features (:func:`modifier_features`), so the same
+policy network scores a larger space.
 
 :func:`decision_order` is the fixed order of the node decisions (:data:`ORDERS`).
 """
@@ -17,18 +28,63 @@ from dataclasses import dataclass
 import numpy as np
 
 from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
-from envs.plan import LAYOUTS
+from envs.plan import LAYOUTS, RECOMPUTE
 from envs.topology import Topology
 
 ORDERS = ("topological", "critical_path")
+TENSOR_LAYOUTS = ("col_split", "row_split", "replicate", "seq_split")
 
 
-# ---------------------------------------------------------------------- option table
+@dataclass(frozen=True)
+class Modifier:
+    """One modifier row: ZeRO stage, recomputation mode, expert parallelism (ep = the group's dp)."""
+
+    zero: int
+    recompute: str
+    expert_parallel: bool
+
+
+# ZeRO 0-3 x recomputation; expert parallelism only with ZeRO 0 (with ep = dp every expert has one replica,
+# which ZeRO cannot shard over)
+MODIFIERS: tuple[Modifier, ...] = tuple(
+    [Modifier(z, rc, False) for z in (0, 1, 2, 3) for rc in RECOMPUTE]
+    + [Modifier(0, rc, True) for rc in RECOMPUTE])
+N_MODIFIERS = len(MODIFIERS)
+MODIFIER_FEATURES = 4 + len(RECOMPUTE) + 1
+
+
+def modifier_features() -> np.ndarray:
+    """[modifiers, MODIFIER_FEATURES] float32: ZeRO stage one-hot, recomputation one-hot, expert parallel."""
+    out = np.zeros((N_MODIFIERS, MODIFIER_FEATURES), dtype=np.float32)
+    for k, m in enumerate(MODIFIERS):
+        out[k, m.zero] = 1.0
+        out[k, 4 + RECOMPUTE.index(m.recompute)] = 1.0
+        out[k, -1] = float(m.expert_parallel)
+    return out
+
+
+def action_of(placement: int, modifier: int = 0) -> int:
+    return int(placement) * N_MODIFIERS + int(modifier)
+
+
+def split_action(action: int) -> tuple[int, int]:
+    """(placement, modifier) of an action."""
+    return divmod(int(action), N_MODIFIERS)
+
+
+def option_bound(max_devices: int) -> int:
+    """A generous bound on the placement rows of a topology with ``max_devices`` devices (the default
+    ``max_options`` padding): a single-host group of 8 gives 1 + 4 x 3 rows, its halves and quarters
+    fewer, and every host level above adds one group per level."""
+    return 10 * int(max_devices) + 16
+
+
+# ---------------------------------------------------------------------- placement table
 @dataclass(eq=False)
 class OptionTable:
-    """The (device group, layout, dp) choices a node can take on one topology.
+    """The (device group, layout, dp, tp) placements a node can take on one topology.
 
-    Arrays are indexed by option: ``groups[o]`` the device tuple (dp-major), ``layout[o]`` an index into
+    Arrays are indexed by placement: ``groups[o]`` the device tuple (dp-major), ``layout[o]`` an index into
     ``LAYOUTS``, ``dp[o]`` / ``tp[o]`` the data- / tensor-parallel degrees, ``devices[o]`` a multi-hot row
     over devices, ``state_div[o]`` the factor that divides a node's model states on each member (tp for
     col/row splits, else 1), ``speedup[o]`` the compute split (dp x tp for col/row splits, dp otherwise)."""
@@ -46,6 +102,10 @@ class OptionTable:
     def size(self) -> int:
         return len(self.groups)
 
+    @property
+    def num_actions(self) -> int:
+        return self.size * N_MODIFIERS
+
     @classmethod
     def build(cls, topology: Topology, dtype: str = "bf16") -> OptionTable:
         nd = topology.num_devices
@@ -53,12 +113,11 @@ class OptionTable:
         for g in topology.hierarchy_groups():
             g = tuple(int(d) for d in g)
             n = len(g)
-            hosts = topology.hosts_of(g)
-            per_host = min(len(v) for v in hosts.values())
-            tp = per_host if len(hosts) > 1 and n % per_host == 0 else n
+            per_host = min(len(v) for v in topology.hosts_of(g).values())
             rows.append((g, LAYOUTS.index("batch_split"), n))
-            for lay in ("col_split", "row_split", "replicate"):
-                rows.append((g, LAYOUTS.index(lay), n // tp))
+            for tp in tensor_degrees(n, per_host):
+                for lay in TENSOR_LAYOUTS:
+                    rows.append((g, LAYOUTS.index(lay), n // tp))
         k = len(rows)
         groups = [r[0] for r in rows]
         layout = np.array([r[1] for r in rows], dtype=np.int64)
@@ -70,15 +129,15 @@ class OptionTable:
             devices[o, list(g)] = True
         tensor = np.isin(layout, [LAYOUTS.index("col_split"), LAYOUTS.index("row_split")])
         state_div = np.where(tensor, tp, 1).astype(np.float64)
-        speedup = (dp * np.where(tensor, tp, 1)).astype(np.float64)
+        speedup = (dp * np.where(tensor | (layout == LAYOUTS.index("seq_split")), tp, 1)).astype(np.float64)
         flops = np.array([d.flops(dtype) for d in topology.devices])
         min_flops = np.array([flops[list(g)].min() for g in groups])
         return cls(groups=groups, layout=layout, dp=dp, tp=tp, devices=devices, state_div=state_div,
                    speedup=speedup, min_flops=min_flops)
 
-    def allowed(self, caps: np.ndarray) -> np.ndarray:
-        """[nodes, options] bool: the layout is one the node's capability bits allow (and dp > 1 needs
-        CAN_BATCH)."""
+    def allowed(self, caps: np.ndarray, seq_ok: np.ndarray | None = None) -> np.ndarray:
+        """[nodes, placements] bool: the layout is one the node's capability bits allow (dp > 1 needs
+        CAN_BATCH; ``seq_split`` needs ``seq_ok``, the node may be sequence-split)."""
         caps = np.asarray(caps, dtype=np.int64)[:, None]
         lay = self.layout[None, :]
         ok = np.ones((caps.shape[0], self.size), dtype=bool)
@@ -86,12 +145,20 @@ class OptionTable:
         ok &= ~((lay == LAYOUTS.index("row_split")) & ((caps & CAN_ROW) == 0))
         ok &= ~((lay == LAYOUTS.index("replicate")) & ((caps & CAN_REPLICATE) == 0))
         ok &= ~(((self.dp[None, :] > 1) | (lay == LAYOUTS.index("batch_split"))) & ((caps & CAN_BATCH) == 0))
+        seq = np.zeros(caps.shape[0], dtype=bool) if seq_ok is None else np.asarray(seq_ok, dtype=bool)
+        ok &= ~((lay == LAYOUTS.index("seq_split")) & ~seq[:, None])
         return ok
 
     def lookup(self) -> dict[tuple[tuple[int, ...], str, int], int]:
-        """(group, layout name, dp) -> option id."""
+        """(group, layout name, dp) -> placement id."""
         return {(g, LAYOUTS[int(lay)], int(dp)): o for o, (g, lay, dp) in enumerate(zip(self.groups, self.layout,
                                                                                           self.dp))}
+
+
+def tensor_degrees(n: int, per_host: int) -> list[int]:
+    """The tensor-parallel degrees of a group of ``n`` devices with ``per_host`` on its smallest host:
+    every tp >= 2 dividing ``per_host`` (tp stays inside a host) and ``n``."""
+    return [tp for tp in range(2, per_host + 1) if per_host % tp == 0 and n % tp == 0]
 
 
 # ---------------------------------------------------------------------- orders
@@ -131,3 +198,11 @@ def flop_levels(graph: OpGraph) -> tuple[np.ndarray, np.ndarray]:
     for v in topo[::-1].tolist():
         bottom[v] = w[v] + max((bottom[s] for s in succ[v]), default=0.0)
     return top, bottom
+
+
+ZERO_ROWS = np.array([m.zero > 0 for m in MODIFIERS], dtype=bool)  # modifiers that need data parallelism
+EXPERT_ROWS = np.array([m.expert_parallel for m in MODIFIERS], dtype=bool)
+# log2 of a modifier's gradient-synchronisation volume over data parallelism's all-reduce: ZeRO-3 also
+# all-gathers the weights for the forward and the backward, 1.5x the volume (Rajbhandari et al. SC'20,
+# Sec. 7.2.2); stages 1 and 2 reduce-scatter and all-gather what the all-reduce moves (1x)
+COMM_FACTOR = np.array([np.log2(1.5) if m.zero == 3 else 0.0 for m in MODIFIERS])

@@ -2,16 +2,20 @@
 
 :func:`prepare_task` turns a :class:`envs.tasks.Task` into a :class:`PreparedTask` in the steps its body
 reads as: check the task fits the padding; coarsen the graph to at most ``max_nodes`` groups; build the
-option table; merge the co-location classes; find the microbatch counts (and each option's dp) the
-batch allows; estimate the model states and check that some plan can hold them; estimate every node's
-roofline time on every option; fix the decision order and each node's producers; compute the static
-observation. Bad input raises :class:`envs.errors.EnvError` naming the task.
+placement table; merge the co-location classes; summarise what each group stands for (attention core,
+experts, sequence splittability, activations: :func:`group_stats`); find the microbatch counts (and
+each placement's dp) the batch allows; estimate the model states and check that some plan can hold
+them; estimate every node's roofline time on every placement; which modifiers each node and placement
+allow and what they do to memory and time; fix the decision order and each node's producers; compute
+the static observation. Bad input raises :class:`envs.errors.EnvError` naming the task.
 
 Two parts need the simulator, so they are computed on first use (once per task) with the
 environment's :class:`Scoring`: the reward's reference time (:func:`reference`: the better of
 :func:`envs.plan.standard_plans`' single-device and data-parallel plans) and the refine mode's start
-(:func:`refine_start`: the best of those plans and a Megatron plan, expressed in the option table).
-:meth:`PreparedTask.plan` turns an assignment (one option per group) into a :class:`envs.plan.Plan`.
+(:func:`refine_start`: the best of those plans and Megatron-style tensor x data plans, expressed in the
+placement table). :meth:`PreparedTask.plan` turns an assignment (one action = placement x modifier per
+group) and the global choices into a :class:`envs.plan.Plan` on the task's operators;
+:func:`express` turns any plan back into an assignment.
 """
 
 from __future__ import annotations
@@ -20,16 +24,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from envs.errors import EnvError
+from envs.errors import EnvError, PlanError
 from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
-from envs.placement.observation import static_features
-from envs.placement.options import OptionTable, decision_order
+from envs.placement.observation import GroupStats, static_features
+from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order
 from envs.placement.reward import plan_reward
-from envs.plan import ADAM_MIXED_BYTES_PER_PARAM, DTYPE_BYTES, LAYOUTS, Plan, megatron_layouts, standard_plans
+from envs.plan import (
+    ADAM_MIXED_BYTES_PER_PARAM,
+    DTYPE_BYTES,
+    LAYOUTS,
+    RECOMPUTE,
+    Plan,
+    attention_core,
+    expert_layers,
+    megatron_layouts,
+    sequence_splittable,
+    standard_plans,
+)
 from envs.tasks import Task
 
 REFERENCE_PLANS = ("single_device", "data_parallel")  # the envs.plan templates T_ref is the better of
+ZERO = np.array([m.zero for m in MODIFIERS], dtype=np.int64)
+RECOMPUTE_MODE = np.array([RECOMPUTE.index(m.recompute) for m in MODIFIERS], dtype=np.int64)
+EXPERT_PARALLEL = np.array([m.expert_parallel for m in MODIFIERS], dtype=bool)
+_MODIFIER_ID = {(m.zero, m.recompute, m.expert_parallel): k for k, m in enumerate(MODIFIERS)}
+SPLIT_LAYOUTS = [LAYOUTS.index(x) for x in ("col_split", "row_split", "seq_split")]
 
 
 @dataclass(frozen=True)
@@ -49,10 +69,10 @@ class Settings:
 
 @dataclass
 class RefineStart:
-    """The refine mode's starting plan: the candidate ``name`` as options, with its reward."""
+    """The refine mode's starting plan: the candidate ``name`` as actions, with its reward."""
 
     name: str
-    assign: np.ndarray  # [n] option per group
+    assign: np.ndarray  # [n] action per group (placement x modifier)
     reward: float
     mb_idx: int  # index into the microbatch choices (the first one the batch allows)
     result: EvalResult
@@ -67,38 +87,103 @@ class PreparedTask:
     grouping: object | None  # envs.coarsen.Grouping, or None when the graph was not coarsened
     options: OptionTable
     order: np.ndarray
-    allowed: np.ndarray  # [n, O] layout allowed
-    mb_ok: np.ndarray  # [choices, O] dp divides the microbatch
+    allowed: np.ndarray  # [n, P] layout allowed
+    mb_ok: np.ndarray  # [choices, P] dp divides the microbatch
     mb_valid: np.ndarray  # [choices] divides the batch
     need: np.ndarray  # [n] model-state bytes of the node's class (or the node)
     states: np.ndarray  # [n] model-state bytes of the node itself
     class_of: np.ndarray  # [n] dense co-location class, -1 none
     class_members: list[np.ndarray]
     capacity: np.ndarray  # [nd]
-    speed: np.ndarray  # [n, O] float32: log2(time on option / time on fastest single device)
+    speed: np.ndarray  # [n, P] float32: log2(time on placement / time on fastest single device)
     time_single: np.ndarray  # [n] roofline time on the fastest device (compute-load feature)
     preds: list[tuple[np.ndarray, np.ndarray]]  # per node: (producer ids, bytes)
     in_bytes: np.ndarray
     static: dict[str, np.ndarray]  # the STATIC_KEYS observation arrays
     dtype: str
-    dev_frac: np.ndarray  # [O, nd] 1/|group| on members
-    dev_f: np.ndarray  # [O, nd] float multi-hot
-    dev_inf: np.ndarray  # [O, nd] 0 on members, inf elsewhere (for min-headroom)
+    dev_frac: np.ndarray  # [P, nd] 1/|group| on members
+    dev_f: np.ndarray  # [P, nd] float multi-hot
+    dev_inf: np.ndarray  # [P, nd] 0 on members, inf elsewhere (for min-headroom)
+    stats: GroupStats
+    modifier_ok: np.ndarray  # [n, K] the modifier applies to the node at all
+    zero_factor: np.ndarray  # [P, K] model states kept per member under the modifier's ZeRO stage
+    act_div: np.ndarray  # [P] activations divided over a member (dp x tensor/sequence split)
+    act_kept: np.ndarray  # [n, K] activation bytes per traced batch kept under the modifier's recomputation
+    time_factor: np.ndarray  # [n, K] log2 of the compute time factor of the modifier (recomputation)
+    ops: dict  # the operator graph's per-op arrays the plan needs (attention core, experts)
     ref: dict | None = None  # reference(), once computed
     start: RefineStart | None = None  # refine_start(), once computed
 
-    def plan(self, assign: np.ndarray, microbatches: int, schedule: str, recompute: bool, placer: str) -> Plan:
-        """The plan on the groups that gives group ``v`` option ``assign[v]``."""
-        opts = self.options
-        a = assign.tolist()
-        return Plan(groups=[opts.groups[o] for o in a], layouts=[LAYOUTS[int(opts.layout[o])] for o in a],
-                    dp=opts.dp[assign], recompute=np.full(len(a), bool(recompute)), microbatches=microbatches,
-                    schedule=schedule, global_batch=self.task.global_batch, dtype=self.dtype,
-                    provenance={"placer": placer, "task": self.task.name})
+    @property
+    def num_actions(self) -> int:
+        return self.options.size * N_MODIFIERS
 
-    def expand(self, plan: Plan) -> Plan:
-        """A plan on the groups as a plan on the task's operators."""
-        return self.grouping.expand(plan) if self.grouping is not None else plan
+    def plan(self, assign: np.ndarray, microbatches: int, schedule: str, virtual_stages: int, placer: str) -> Plan:
+        """The plan on the task's operators that gives group ``v`` action ``assign[v]`` (its placement's
+        devices, layout and dp; its modifier's ZeRO stage on its weighted ops, recomputation of all its
+        ops or of its attention-core ops, expert parallelism of its experts), with the global choices.
+        Expert parallelism is kept for a layer only where the plan can run it (the layer's experts and
+        their dispatch and combine ops data-parallel on one group, :func:`envs.plan.Plan.validate`);
+        elsewhere that layer's experts run without it."""
+        opts = self.options
+        a = np.asarray(assign, dtype=np.int64)
+        place, mod = a // N_MODIFIERS, a % N_MODIFIERS
+        g = self.grouping.group_of if self.grouping is not None else np.arange(a.size)
+        op_place, op_mod = place[g], mod[g]
+        fine = self.task.graph
+        dp = opts.dp[op_place]
+        rc = RECOMPUTE_MODE[op_mod]
+        recompute = (rc == RECOMPUTE.index("full")) | ((rc == RECOMPUTE.index("selective")) & self.ops["core"])
+        zero = np.where((fine.param_bytes > 0) & (dp > 1), ZERO[op_mod], 0)
+        ep = np.where(EXPERT_PARALLEL[op_mod] & (self.ops["expert_layer"] >= 0), dp, 1)
+        groups = [opts.groups[o] for o in place.tolist()]
+        plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[int(opts.layout[o])] for o in op_place],
+                    dp=dp, recompute=recompute, zero=zero, ep=ep, microbatches=microbatches, schedule=schedule,
+                    virtual_stages=virtual_stages, global_batch=self.task.global_batch, dtype=self.dtype,
+                    provenance={"placer": placer, "task": self.task.name})
+        if ep.max(initial=1) > 1:
+            _drop_invalid_expert_parallelism(plan, fine, self.ops["expert_layer"])
+        return plan
+
+    def apply_action(self, plan: Plan, groups, action: int) -> Plan:
+        """A copy of ``plan`` (on the task's operators) whose ops of ``groups`` take ``action`` as
+        :meth:`plan` would give it them; every other op keeps what it has (interleaving is dropped: the
+        chunks may have moved). Returns the copy (validated by ``Plan`` construction only)."""
+        opts = self.options
+        o, k = divmod(int(action), N_MODIFIERS)
+        g = self.grouping.group_of if self.grouping is not None else np.arange(self.task.graph.num_nodes)
+        ops = np.flatnonzero(np.isin(g, np.asarray(list(groups), dtype=np.int64)))
+        fine = self.task.graph
+        new = plan.copy(provenance={}, virtual_stages=1)
+        devices, layout, dp = opts.groups[o], LAYOUTS[int(opts.layout[o])], int(opts.dp[o])
+        for u in ops.tolist():
+            new.groups[u], new.layouts[u] = devices, layout
+        new.dp[ops] = dp
+        rc = int(RECOMPUTE_MODE[k])
+        new.recompute[ops] = (rc == RECOMPUTE.index("full")) | ((rc == RECOMPUTE.index("selective"))
+                                                                & self.ops["core"][ops])
+        new.zero[ops] = np.where((fine.param_bytes[ops] > 0) & (dp > 1), ZERO[k], 0)
+        new.ep[ops] = np.where(EXPERT_PARALLEL[k] & (self.ops["expert_layer"][ops] >= 0), dp, 1)
+        if new.ep.max(initial=1) > 1:
+            _drop_invalid_expert_parallelism(new, fine, self.ops["expert_layer"])
+        return new
+
+    def coarse_plan(self, plan: Plan) -> Plan:
+        """A plan on the operators as a plan on the groups (each group takes its members' majority)."""
+        return self.grouping.project(plan) if self.grouping is not None else plan
+
+
+def _drop_invalid_expert_parallelism(plan: Plan, graph: OpGraph, layer: np.ndarray) -> None:
+    """Set ep = 1 on every expert layer whose expert parallelism the plan cannot run (in place)."""
+    for L in np.unique(layer[(layer >= 0) & (plan.ep > 1)]).tolist():
+        members = layer == L
+        trial = plan.ep.copy()
+        trial[~members & (layer >= 0)] = 1
+        probe = plan.copy(ep=trial, zero=np.where(members, 0, plan.zero), provenance={})
+        try:
+            probe._validate_expert_parallel(graph)
+        except PlanError:
+            plan.ep[members] = 1
 
 
 # ---------------------------------------------------------------------- preparation
@@ -113,15 +198,18 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     dtype = graph.dtype if graph.dtype in DTYPE_BYTES else "bf16"
     options = option_table(task, dtype, settings, who)
     class_of, members, caps = colocation_classes(graph)
-    allowed = options.allowed(caps)
+    ops = operator_facts(task.graph)
+    stats = group_stats(task.graph, graph, grouping, ops)
+    allowed = options.allowed(caps, stats.seq_ok)
     mb_valid, mb_ok = microbatch_masks(task.global_batch, settings.microbatch_choices, options, who)
     states, need = model_states(graph, members, settings.objective)
     capacity = np.array([d.memory_bytes for d in topo.devices], dtype=np.float64)
     check_memory(graph, states, need, capacity, allowed, options, who)
     speed, time_single = roofline_speed(graph, topo, options, dtype)
+    modifier_ok, zero_factor, act_div, act_kept, time_factor = modifier_effects(graph, options, stats)
     order = decision_order(graph, settings.order)
     preds, in_bytes = producers(graph)
-    static = static_features(graph, topo, options, order, max_nodes=settings.max_nodes,
+    static = static_features(graph, topo, options, order, stats, max_nodes=settings.max_nodes,
                              max_edges=settings.max_edges, max_devices=settings.max_devices,
                              max_options=settings.max_options, caps=caps)
     dev_f = options.devices.astype(np.float64)
@@ -130,7 +218,9 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
                         mb_ok=mb_ok, mb_valid=mb_valid, need=need, states=states, class_of=class_of,
                         class_members=members, capacity=capacity, speed=speed, time_single=time_single,
                         preds=preds, in_bytes=in_bytes, static=static, dtype=dtype, dev_frac=dev_f / sizes,
-                        dev_f=dev_f, dev_inf=np.where(options.devices, 0.0, np.inf))
+                        dev_f=dev_f, dev_inf=np.where(options.devices, 0.0, np.inf), stats=stats,
+                        modifier_ok=modifier_ok, zero_factor=zero_factor, act_div=act_div, act_kept=act_kept,
+                        time_factor=time_factor, ops=ops)
 
 
 def check_fits_padding(task: Task, settings: Settings, who: str) -> None:
@@ -164,10 +254,10 @@ def coarsened(task: Task, settings: Settings, who: str) -> tuple[OpGraph, object
 
 
 def option_table(task: Task, dtype: str, settings: Settings, who: str) -> OptionTable:
-    """The task topology's option table, at most ``max_options`` long."""
+    """The task topology's placement table, at most ``max_options`` long."""
     options = OptionTable.build(task.topology, dtype)
     if options.size > settings.max_options:
-        raise EnvError(f"{who}: topology {task.topology.name!r} gives {options.size} options, more than "
+        raise EnvError(f"{who}: topology {task.topology.name!r} gives {options.size} placements, more than "
                        f"max_options={settings.max_options}")
     return options
 
@@ -190,9 +280,37 @@ def colocation_classes(graph: OpGraph) -> tuple[np.ndarray, list[np.ndarray], np
     return class_of, members, caps
 
 
+def operator_facts(graph: OpGraph) -> dict:
+    """Per operator: attention core (``core``), expert layer and experts in it (``expert_layer``,
+    ``expert_count``), sequence-splittable (``seq_ok``)."""
+    layer, _, count = expert_layers(graph)
+    return {"core": attention_core(graph), "expert_layer": layer, "expert_count": count,
+            "seq_ok": sequence_splittable(graph)}
+
+
+def group_stats(fine: OpGraph, graph: OpGraph, grouping, ops: dict) -> GroupStats:
+    """:class:`GroupStats` of the placed nodes: sums and ANDs over the operators of each group."""
+    n = graph.num_nodes
+    g = grouping.group_of if grouping is not None else np.arange(fine.num_nodes)
+
+    def gsum(x) -> np.ndarray:
+        return np.bincount(g, weights=np.asarray(x, dtype=np.float64), minlength=n)
+
+    core = ops["core"]
+    count = np.zeros(n, dtype=np.int64)
+    np.maximum.at(count, g, ops["expert_count"])
+    seq_ok = gsum(~ops["seq_ok"]) == 0
+    act = fine.out_bytes + fine.saved_bytes
+    cross = g[fine.edge_src] != g[fine.edge_dst]
+    in_bytes = np.bincount(g[fine.edge_dst[cross]], weights=fine.edge_bytes[cross], minlength=n)
+    return GroupStats(core_fwd_flops=gsum(np.where(core, fine.fwd_flops, 0.0)),
+                      core_saved_bytes=gsum(np.where(core, act, 0.0)), has_core=gsum(core) > 0,
+                      expert_count=count, seq_ok=seq_ok, act_bytes=gsum(act), in_bytes=in_bytes)
+
+
 def microbatch_masks(batch: int, choices: tuple[int, ...], options: OptionTable,
                      who: str) -> tuple[np.ndarray, np.ndarray]:
-    """(which microbatch choices divide the batch, [choice, option]: the option's dp divides the microbatch)."""
+    """(which microbatch choices divide the batch, [choice, placement]: its dp divides the microbatch)."""
     mb_valid = np.array([batch % m == 0 for m in choices])
     if not mb_valid.any():
         raise EnvError(f"{who}: no microbatch choice in {choices} divides the batch {batch}")
@@ -218,11 +336,12 @@ def model_states(graph: OpGraph, members: list[np.ndarray], objective: str) -> t
 def check_memory(graph: OpGraph, states: np.ndarray, need: np.ndarray, capacity: np.ndarray, allowed: np.ndarray,
                  options: OptionTable, who: str) -> None:
     """Some plan can hold the model states: all devices together, and every node (class) split as far as
-    its layouts allow on the largest device."""
+    its layouts and ZeRO-3 allow on the largest device."""
     if states.sum() > capacity.sum():
         raise EnvError(f"{who}: model states need {states.sum() / 1e9:.3g} GB but all {capacity.size} devices "
                        f"together hold {capacity.sum() / 1e9:.3g} GB: no plan fits in memory")
-    best_split = np.where(allowed, options.state_div[None, :], 0).max(axis=1)
+    split = options.state_div * np.where(options.dp > 1, options.dp, 1)  # ZeRO-3 divides by dp too
+    best_split = np.where(allowed, split[None, :], 0).max(axis=1)
     worst = np.flatnonzero(need / best_split > capacity.max())
     if worst.size:
         v = int(worst[0])
@@ -231,7 +350,7 @@ def check_memory(graph: OpGraph, states: np.ndarray, need: np.ndarray, capacity:
 
 
 def roofline_speed(graph: OpGraph, topology, options: OptionTable, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """([n, O] log2 of each node's roofline time on each option relative to the fastest single device,
+    """([n, P] log2 of each node's roofline time on each placement relative to the fastest single device,
     clipped to +-12; [n] the time on that device). Roofline: max(FLOPs / (slowest member's FLOP/s x
     split), 3 x memory bytes / (slowest member's bandwidth x split)) + two launches per op."""
     fl = graph.fwd_flops + graph.bwd_flops
@@ -247,6 +366,40 @@ def roofline_speed(graph: OpGraph, topology, options: OptionTable, dtype: str) -
     t_single = t_opt[:, fastest]
     speed = np.clip(np.log2(t_opt / np.maximum(t_single[:, None], 1e-30)), -12, 12).astype(np.float32)
     return speed, t_single
+
+
+def zero_state_fraction(zero: int, replicas: np.ndarray) -> np.ndarray:
+    """Model states kept per replica over the unsharded 16 bytes per parameter of mixed-precision Adam,
+    for ZeRO stage ``zero`` over ``replicas`` (Rajbhandari et al. SC'20, Fig. 1: 2+2+12 bytes; stage 1
+    shards the 12, stage 2 also the gradients' 2, stage 3 everything)."""
+    n = np.maximum(np.asarray(replicas, dtype=np.float64), 1.0)
+    return {0: np.ones_like(n), 1: (4.0 + 12.0 / n) / 16.0, 2: (2.0 + 14.0 / n) / 16.0, 3: 1.0 / n}[int(zero)]
+
+
+def modifier_effects(graph: OpGraph, options: OptionTable, stats: GroupStats
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What each modifier allows and does (estimates for the features and the memory mask; the reward is
+    the simulator's): ([n, K] it applies to the node, [P, K] model-state fraction per member, [P]
+    activation divisor, [n, K] activation bytes kept, [n, K] log2 compute factor)."""
+    n, k = graph.num_nodes, N_MODIFIERS
+    has_params = graph.param_bytes > 0
+    rc = RECOMPUTE_MODE
+    ok = np.ones((n, k), dtype=bool)
+    ok &= ~((ZERO[None, :] > 0) & ~has_params[:, None])
+    ok &= ~((rc[None, :] == RECOMPUTE.index("selective")) & ~stats.has_core[:, None])
+    ok &= ~(EXPERT_PARALLEL[None, :] & (stats.expert_count[:, None] == 0))
+    zero_factor = np.stack([zero_state_fraction(int(z), options.dp) for z in ZERO], axis=1)
+    expert_rows = EXPERT_PARALLEL[None, :] & np.ones((options.size, 1), dtype=bool)
+    zero_factor = np.where(expert_rows, 1.0 / np.maximum(options.dp, 1)[:, None], zero_factor)
+    split = np.isin(options.layout, SPLIT_LAYOUTS)
+    act_div = options.dp * np.where(split, options.tp, 1).astype(np.float64)
+    act = stats.act_bytes
+    kept = {0: act, 1: np.maximum(act - stats.core_saved_bytes, 0.0), 2: np.minimum(stats.in_bytes, act)}
+    act_kept = np.stack([kept[int(r)] for r in rc], axis=1)
+    total = np.maximum(graph.fwd_flops + graph.bwd_flops, 1e-30)
+    extra = {0: np.zeros(n), 1: stats.core_fwd_flops / total, 2: graph.fwd_flops / total}
+    time_factor = np.log2(1.0 + np.stack([extra[int(r)] for r in rc], axis=1))
+    return ok, zero_factor, act_div, act_kept, time_factor
 
 
 def producers(graph: OpGraph) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
@@ -265,22 +418,23 @@ def producers(graph: OpGraph) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.n
 # ---------------------------------------------------------------------- scoring and the reference
 @dataclass(frozen=True)
 class Scoring:
-    """How an environment evaluates plans: its evaluator and objective, on the graph the agent places or
-    (``fine``) on the task's operator graph, a coarsened plan expanded first."""
+    """How an environment evaluates plans: its evaluator and objective, on the task's operator graph
+    (``fine``, the default: exact, and the only graph on which selective recomputation of a group's
+    attention core is expressible) or on the graph the agent places (a plan projected onto the groups,
+    each group taking its members' majority: faster, approximate)."""
 
     evaluator: PlanEvaluator
     objective: str
-    fine: bool = False
+    fine: bool = True
 
     def graph(self, prep: PreparedTask) -> OpGraph:
-        return prep.task.graph if (self.fine and prep.grouping is not None) else prep.graph
+        return prep.task.graph if (self.fine or prep.grouping is None) else prep.graph
 
     def evaluate(self, prep: PreparedTask, plan: Plan) -> EvalResult:
-        """Evaluate a plan on the groups."""
-        if self.fine and prep.grouping is not None:
-            return self.evaluator.evaluate(prep.task.graph, prep.task.topology, prep.grouping.expand(plan),
-                                           self.objective)
-        return self.evaluator.evaluate(prep.graph, prep.task.topology, plan, self.objective)
+        """Evaluate a plan on the task's operators."""
+        if self.fine or prep.grouping is None:
+            return self.evaluator.evaluate(prep.task.graph, prep.task.topology, plan, self.objective)
+        return self.evaluator.evaluate(prep.graph, prep.task.topology, prep.coarse_plan(plan), self.objective)
 
 
 def reference_plans(graph: OpGraph, task: Task, dtype: str) -> dict[str, Plan]:
@@ -312,23 +466,23 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
                  placer: str) -> RefineStart:
     """The refine mode's starting assignment, once per task: of :func:`start_assignments` (or only
     ``refine_init`` unless it is ``"best"``), the one with the best reward at the first microbatch
-    choice the batch allows, the 1F1B schedule and no recomputation."""
+    choice the batch allows, the 1F1B schedule, no modifiers and no interleaving."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
-    if refine_init != "best":
-        if refine_init not in cands:
+    if refine_init != "best":  # "megatron": the best of the tensor x data variants
+        cands = {k: v for k, v in cands.items() if k == refine_init or k.startswith(refine_init + " ")}
+        if not cands:
             raise EnvError(f"task {prep.task.name!r}: refine_init {refine_init!r} is not expressible here")
-        cands = {refine_init: cands[refine_init]}
     ref = reference(prep, scoring)
     mb_idx = int(np.flatnonzero(prep.mb_valid)[0])
     best = None
     for name, assign in cands.items():
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
-        if not prep.mb_ok[mb_idx, assign].all():
+        if not prep.mb_ok[mb_idx, assign // N_MODIFIERS].all():
             continue
-        res = scoring.evaluate(prep, prep.plan(assign, microbatch_choices[mb_idx], "1f1b", False, placer))
+        res = scoring.evaluate(prep, prep.plan(assign, microbatch_choices[mb_idx], "1f1b", 1, placer))
         r = plan_reward(res, ref["time"])
         if best is None or r > best.reward:
             best = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
@@ -339,52 +493,89 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
 
 
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
-    """The refine start's candidates, one option per group: the reference plans expressed in the option
-    table, and Megatron tensor parallelism built in it (:func:`megatron_assignment`)."""
-    plans = reference_plans(prep.graph, prep.task, prep.dtype)
+    """The refine start's candidates, one action per group: the reference plans expressed in the
+    placement table, and Megatron-style tensor x data parallelism over all devices built in it
+    (:func:`megatron_assignment`, one per tensor-parallel degree the table offers)."""
+    plans = reference_plans(prep.task.graph, prep.task, prep.dtype)
     out = {name: express(prep, plan) for name, plan in plans.items()}
-    megatron = megatron_assignment(prep)
-    if megatron is not None:
-        out["megatron"] = megatron
+    out.update(megatron_assignments(prep))
     return out
 
 
 def express(prep: PreparedTask, plan: Plan) -> np.ndarray:
-    """A plan on the groups as one option per group: the option with the plan's (devices, layout, dp)
-    when the table has it and the group may take it, else the group's first device alone."""
+    """A plan (on the task's operators, or on the groups) as one action per group: each group takes its
+    operators' majority placement (devices, layout, dp) when the table has it and the group may take it,
+    else its first device alone; and the modifier closest to its operators' ZeRO stage (the majority over
+    its weighted ops), recomputation (none; selective when exactly its attention-core ops are recomputed;
+    full otherwise) and expert parallelism."""
+    n = prep.graph.num_nodes
+    fine_n = prep.task.graph.num_nodes
+    if plan.num_nodes == n and prep.grouping is not None and n != fine_n:  # a plan on the groups
+        g = np.arange(n)
+        core = np.zeros(n, dtype=bool)  # a group's recomputation flag: full
+        params = prep.graph.param_bytes > 0
+        experts = prep.stats.expert_count > 0
+    elif plan.num_nodes == fine_n:
+        g = prep.grouping.group_of if prep.grouping is not None else np.arange(n)
+        core, params, experts = prep.ops["core"], prep.task.graph.param_bytes > 0, prep.ops["expert_layer"] >= 0
+    else:
+        raise EnvError(f"the plan has {plan.num_nodes} nodes; task {prep.task.name!r} has {fine_n} ops and "
+                       f"{n} groups")
     look = prep.options.lookup()
-    out = np.empty(prep.graph.num_nodes, dtype=np.int64)
-    for v in range(out.size):
-        devices = tuple(int(d) for d in plan.groups[v])
-        o = look.get((devices, plan.layouts[v], int(plan.dp[v])))
-        out[v] = o if o is not None and prep.allowed[v, o] else look[((devices[0],), "single", 1)]
+    counts: list[dict[tuple, list[int]]] = [{} for _ in range(n)]
+    for i, v in enumerate(g.tolist()):
+        c = counts[v].setdefault((plan.groups[i], plan.layouts[i], int(plan.dp[i])), [0, i])
+        c[0] += 1
+    out = np.empty(n, dtype=np.int64)
+    for v in range(n):
+        key = max(counts[v].items(), key=lambda kv: (kv[1][0], -kv[1][1]))[0]
+        o = look.get(key)
+        if o is None or not prep.allowed[v, o]:
+            o = look[((key[0][0],), "single", 1)]
+        mine = g == v
+        zs = plan.zero[mine & params]
+        zero = int(np.bincount(zs).argmax()) if zs.size else 0
+        rec = plan.recompute[mine]
+        if not rec.any():
+            mode = "none"
+        elif (rec == core[mine]).all():
+            mode = "selective"
+        else:
+            mode = "full"
+        ep = bool((plan.ep[mine & experts] > 1).any())
+        k = _MODIFIER_ID.get((zero if not ep else 0, mode, ep), 0)
+        if not prep.modifier_ok[v, k] or (ZERO[k] > 0 and prep.options.dp[o] < 2):
+            k = _MODIFIER_ID[(0, mode if prep.modifier_ok[v, _MODIFIER_ID[(0, mode, False)]] else "none", False)]
+        out[v] = o * N_MODIFIERS + k
     return out
 
 
-def megatron_assignment(prep: PreparedTask) -> np.ndarray | None:
-    """Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`) on the largest one-host group holding
-    device 0 — or, on several hosts when the batch splits over them, tensor parallel inside every host
-    and data parallel across them (the option table's all-device group); a layout that option does not
-    offer or the group may not take becomes ``replicate``. None when no one-host group holds device 0."""
+def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`) over all devices with every tensor-
+    parallel degree tp >= 2 the placement table offers there (tensor parallel inside hosts, data parallel
+    over the rest), a layout the table does not offer or the group may not take becoming ``replicate``;
+    when the all-device group is not in the table, on the largest one-host group holding device 0."""
     topo, look = prep.task.topology, prep.options.lookup()
-    host0 = [gr for gr in topo.hierarchy_groups() if 0 in gr and len(topo.hosts_of(gr)) == 1]
-    if not host0:
-        return None
-    hosts = len(topo.hosts_of(range(topo.num_devices)))
     whole = tuple(range(topo.num_devices))
-    if hosts > 1 and prep.task.global_batch % hosts == 0 and (whole, "replicate", hosts) in look:
-        group, dp = whole, hosts
-    else:
-        group, dp = max(host0, key=len), 1
+    groups = [whole] if any(k[0] == whole for k in look) else []
+    host0 = [gr for gr in topo.hierarchy_groups() if 0 in gr and len(topo.hosts_of(gr)) == 1]
+    if not groups and host0:
+        groups = [max(host0, key=len)]
     layouts = megatron_layouts(prep.graph)
-    assign = np.empty(prep.graph.num_nodes, dtype=np.int64)
-    for v in range(assign.size):
-        o = look.get((group, layouts[v], dp))
-        if o is None or not prep.allowed[v, o]:
-            o = look[(group, "replicate", dp)]
-        assign[v] = o
-    return assign
+    out = {}
+    for group in groups:
+        for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
+            assign = np.empty(prep.graph.num_nodes, dtype=np.int64)
+            for v in range(assign.size):
+                o = look.get((group, layouts[v], dp))
+                if o is None or not prep.allowed[v, o]:
+                    o = look[(group, "replicate", dp)]
+                    if not prep.allowed[v, o]:
+                        o = look[((group[0],), "single", 1)]
+                assign[v] = o * N_MODIFIERS
+            out[f"megatron tp{len(group) // dp} dp{dp}"] = assign
+    return out
 
 
 __all__ = ["Settings", "PreparedTask", "RefineStart", "Scoring", "prepare_task", "reference", "refine_start",
-           "REFERENCE_PLANS"]
+           "express", "REFERENCE_PLANS"]
