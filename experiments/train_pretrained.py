@@ -1,82 +1,103 @@
-"""Train the policy shipped in ``agent/pretrained/`` and report how it scores.
+"""Train the policy shipped in ``agent/pretrained/`` by expert iteration and report how it scores.
 
-    python experiments/train_pretrained.py [--steps N] [--run-dir runs/pretrained]
+    python -m experiments.train_pretrained [--resume] [--run-dir runs/pretrained] [--ray | --ray-address A]
+                                           [--no-progress] [--hours H]
 
-Trains ``experiments/configs/pretrained.yaml`` (imitation warm start, then PPO), picks among the
-imitation checkpoint, the PPO checkpoints and the final model the one with the best mean greedy score
-on the *training* tasks, copies it (policy and optimizer state, about 2.8 MB) to
-``agent/pretrained/placement_policy.zip``, and prints, for every training and
-held-out task, the policy's greedy score (log of the reference time over the plan's) and its best
-plan (greedy + 4 samples) against the best fast heuristic; the table is also written to
-``RUN_DIR/pretrained_report.json``.
+Trains ``experiments/configs/pretrained.yaml`` (:mod:`agent.expert_iteration`: a drawn task distribution,
+round 0's heuristic + MCMC targets, then rounds of distillation, PPO with self-imitation, held-out
+zero-shot evaluation and policy-seeded search), resumable after any finished phase (``--resume``; a
+killed search or dataset build keeps its finished tasks). Then copies the last round's policy (about
+3 MB) to ``agent/pretrained/placement_policy.zip``, the best-known-plans dataset to
+``experiments/results/pretrained/dataset/`` and writes ``experiments/results/pretrained/report.json``
+and ``report.md`` (per round: dataset size, distillation loss and agreement, the held-out zero-shot ratio
+vs the best fast heuristic; per held-out task the ratio), atomically. ``--hours`` stops starting new
+rounds after that much wall clock (the default 3 is the budget the project gives this job).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+OUT = ROOT / "experiments" / "results" / "pretrained"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agent.infer import PRETRAINED, place
-    from agent.train import build_tasks, greedy_scores, load_config, train
-    from envs.files import atomic_write_bytes, atomic_write_text
+    from agent.infer import PRETRAINED
+    from agent.scale import Executor
+    from agent.train import load_config, train
+    from envs.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=None, help="total timesteps (default: the config's)")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "pretrained"))
+    ap.add_argument("--config", default=str(ROOT / "experiments" / "configs" / "pretrained.yaml"))
+    ap.add_argument("--resume", action="store_true", help="continue the run after its last finished phase")
+    ap.add_argument("--ray", action="store_true", help="run the searches on a local Ray instance")
+    ap.add_argument("--ray-address", default=None, help="run the searches on this Ray cluster")
+    ap.add_argument("--hours", type=float, default=3.0, help="start no new round after this much wall clock")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    cfg = load_config(ROOT / "experiments" / "configs" / "pretrained.yaml")
+    cfg = load_config(args.config)
     t0 = time.time()
-    res = train(cfg, run_dir=args.run_dir, total_steps=args.steps, progress=not args.no_progress)
-    print(f"trained {res.num_timesteps} steps in {res.seconds:.0f}s -> {res.model_path}")
-
-    from sb3_contrib import MaskablePPO
-
-    # model selection on the *training* tasks only: the imitation checkpoint, every PPO checkpoint and
-    # the final model, by mean greedy score (later wins ties); the held-out tasks stay held out
-    train_tasks = build_tasks(cfg.raw["tasks"], seed=cfg.seed)
-    ckpts = sorted(Path(res.run_dir, "checkpoints").glob("model_*_steps.zip"), key=lambda p: int(p.stem.split("_")[1]))
-    selection = []
-    for path in ckpts + [res.model_path]:
-        mean = float(greedy_scores(MaskablePPO.load(path, device="cpu"), train_tasks, cfg.env).mean())
-        selection.append({"model": str(path.name), "mean_greedy_score": round(mean, 4)})
-        print(f"  {path.name:28s} mean greedy score on the training tasks {mean:+.4f}")
-    pick = max(range(len(selection)), key=lambda i: (selection[i]["mean_greedy_score"], i))
-    chosen = (ckpts + [res.model_path])[pick]
-    atomic_write_bytes(PRETRAINED, chosen.read_bytes(), "shipped policy")  # never a half-written one
-    print(f"shipped {chosen.name} as {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
-
-    model = MaskablePPO.load(PRETRAINED, device="cpu")
-    report = {"steps": res.num_timesteps, "train_seconds": round(res.seconds, 1), "shipped": chosen.name,
-              "selection": selection, "tasks": {}}
-    for split in ("tasks", "eval_tasks"):
-        tasks = build_tasks(cfg.raw[split], seed=cfg.seed)
-        scores = greedy_scores(model, tasks, cfg.env)
-        for task, s in zip(tasks, scores):
-            r = place(task.graph, task.topology, model=model, samples=4, seed=0)
-            base = r.best_baseline()
-            pol = min((c for c in r.candidates if c.kind == "policy"), key=lambda c: c.key())
-            report["tasks"][task.name] = {"split": split, "greedy_score": round(float(s), 4),
-                                          "policy_best_ms": round(pol.value * 1e3, 4),
-                                          "best_baseline": base.name if base else None,
-                                          "baseline_ms": round(base.value * 1e3, 4) if base else None,
-                                          "policy_vs_baseline": round(base.value / pol.value, 4) if base else None,
-                                          "winner": r.best.name}
-    for name, row in report["tasks"].items():
-        print(f"{row['split']:10s} {name:32s} greedy score {row['greedy_score']:+.3f}  policy {row['policy_best_ms']:.3f} ms"
-              f"  baseline {row['best_baseline']} {row['baseline_ms']} ms  x{row['policy_vs_baseline']}")
-    out = Path(args.run_dir) / "pretrained_report.json"
-    atomic_write_text(out, json.dumps(report, indent=2), "report")
-    print(f"report: {out} (total {time.time() - t0:.0f}s)")
+    deadline = time.perf_counter() + args.hours * 3600
+    with Executor.from_flags(args.ray, args.ray_address) as ex:
+        res = train(cfg, run_dir=args.run_dir, resume=args.resume, progress=not args.no_progress, executor=ex,
+                    deadline=deadline)
+    rounds = res.imitation["rounds"]
+    print(f"expert iteration: {len(rounds)} round(s), {res.num_timesteps} PPO steps in {time.time() - t0:.0f}s")
+    atomic_write_bytes(PRETRAINED, Path(res.model_path).read_bytes(), "shipped policy")
+    print(f"shipped {res.model_path} as {PRETRAINED} ({PRETRAINED.stat().st_size / 1e6:.2f} MB)")
+    run = Path(args.run_dir)
+    state = json.loads((run / "expert_iteration.json").read_text())["finished"]
+    evaluation = next((x[3] for x in reversed(state) if x[1] == "evaluate"), {})
+    report = {"config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT)
+              else args.config, "seconds": round(time.time() - t0, 1), "num_timesteps": res.num_timesteps,
+              "rounds": rounds, "phases": [{"round": r, "phase": p, **s} for r, p, _c, s in state if p != "logged"
+                                           and p != "evaluate"], "holdout": evaluation.get("holdout", [])}
+    OUT.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(OUT / "report.json", json.loads(json.dumps(report, default=float)), indent=1)
+    atomic_write_text(OUT / "report.md", markdown(report))
+    ds = run / "dataset"
+    if ds.is_dir():
+        dest = OUT / "dataset"
+        tmp = OUT / ".dataset.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(ds, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    print(markdown(report))
     return 0
+
+
+def markdown(report: dict) -> str:
+    lines = ["# The shipped policy: expert iteration", "",
+             f"`python -m experiments.train_pretrained` ({report['config']}), {report['seconds'] / 3600:.2f} h on "
+             "this machine, " f"{report['num_timesteps']} PPO steps.", "",
+             "| round | dataset rows | targets vs heuristic | search improved | distill CE | agreement | "
+             "held-out zero-shot geo-mean | min | wins | training tasks vs best known |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, spec=".3f"):
+        return "" if x is None else (format(x, spec) if isinstance(x, float) else str(x))
+
+    for r in report["rounds"]:
+        lines.append(f"| {r['round']} | {r['dataset_rows']} | {f(r['targets_vs_heuristic'])} | "
+                     f"{f(r['search_improved'])} | {f(r['distill_loss'])} | {f(r['agreement'], '.1%')} | "
+                     f"{f(r['zero_shot_geomean'])} | {f(r['zero_shot_min'])} | {f(r['zero_shot_wins'])}/"
+                     f"{f(r['zero_shot_n'])} | {f(r['train_geomean'])} |")
+    if report["holdout"]:
+        lines += ["", "Held-out tasks (last round): the policy's best of greedy + samples vs the best fast heuristic.",
+                  "", "| task | family | heuristic | heuristic ms | policy ms | ratio |", "|---|---|---|---|---|---|"]
+        for h in report["holdout"]:
+            lines.append(f"| {h['task_id'].split('#')[0]} | {h['family']} | {h['heuristic_name']} | "
+                         f"{h['heuristic'] * 1e3:.3f} | {h['policy'] * 1e3:.3f} | {h['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

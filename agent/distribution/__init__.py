@@ -1,18 +1,26 @@
-"""The task distribution of the best-known-plans dataset (:mod:`agent.dataset`): model-zoo specs
-(``profilers.zoo``, the ``small`` size class), random layered and series-parallel DAGs
-(:mod:`agent.distribution.random_dags`) and the built-in graphs, placed on random clusters
-(:mod:`agent.distribution.topologies`: 2-64 devices, 1-8 hosts, mixed kinds incl. CPUs, link tiers).
+"""The training distribution of placement tasks: model families at realistic sizes
+(``profilers.families``: the model zoo's families with the knob ranges practitioners use, Hugging Face
+configs, a user's own ``my_model.py:build`` with knob ranges), random layered and series-parallel DAGs
+(:mod:`agent.distribution.random_dags`), placed on random clusters (:mod:`agent.distribution.topologies`:
+2-64 devices, 1-8 hosts, mixed kinds incl. CPUs, link tiers from PCIe to NVSwitch and InfiniBand, tight
+and loose memory).
 
 Task ``i`` of seed ``s`` depends only on ``(s, i)``: a larger ``n`` with the same seed extends the list
-(so a dataset grows incrementally). Tasks are split into ``train`` and ``holdout`` by *family*: every
-task of a holdout family is a holdout task, so a policy trained on the train split meets unseen kinds
-of model.
+(so a dataset grows incrementally). A draw whose model states cannot fit the cluster at all (16 bytes
+per parameter of mixed-precision Adam beyond 90% of all the devices' memory, or one operator's beyond
+the largest device even split over every device) is drawn again, deterministically.
+
+Tasks are split by *family*: a ``holdout`` family's tasks are never trained on, so a policy trained on
+the ``train`` split meets unseen kinds of model (leave-family-out evaluation). A family is a name (a
+zoo family or a DAG generator) or a :class:`profilers.families.FamilySpec` mapping (``{"model":
+"my_model.py:build", "knobs": {"layers": [2, 12]}, "name": "mine"}``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,19 +30,25 @@ from envs.errors import RlplaceError
 from envs.graph import OpGraph
 from envs.topology import Topology
 
-ZOO_FAMILIES = ("mlp", "resnet", "inception", "gnmt", "gpt", "bert", "moe", "unet")
+ZOO_FAMILIES = ("mlp", "resnet", "inception", "gnmt", "gpt", "bert", "moe", "unet", "vit", "llama", "t5", "dlrm",
+                "twotower", "convnext", "diffusion")
 RANDOM_FAMILIES = tuple(GENERATORS)
 FAMILIES = ZOO_FAMILIES + RANDOM_FAMILIES
-HOLDOUT_FAMILIES = ("inception", "unet", "random-series-parallel")
+# held out of training: a vision transformer, an encoder-decoder, a multi-branch CNN, an embedding-heavy
+# retrieval model and irregular series-parallel graphs, each with relatives in the training families
+HOLDOUT_FAMILIES = ("vit", "t5", "inception", "twotower", "random-series-parallel")
+TRAIN_FAMILIES = tuple(f for f in FAMILIES if f not in HOLDOUT_FAMILIES)
+STATE_BYTES = 16.0  # mixed-precision Adam per parameter (Rajbhandari et al. SC'20)
+MAX_REDRAWS = 64
 
 
 class DistributionError(RlplaceError):
-    """A bad task-distribution request (unknown family, n < 0)."""
+    """A bad task-distribution request (unknown family, a bad family spec, n < 0)."""
 
 
 @dataclass(frozen=True)
 class TaskDraw:
-    """One drawn task: its graph, cluster, family, spec (zoo spec or generator id) and split."""
+    """One drawn task: its graph, cluster, family, spec (model spec or generator id) and split."""
 
     graph: OpGraph
     topology: Topology
@@ -44,49 +58,122 @@ class TaskDraw:
     seed: int
 
 
-def _check(families: Sequence[str]) -> list[str]:
-    fams = list(families)
-    if not fams:
+# ---------------------------------------------------------------------- families
+@dataclass(frozen=True)
+class Family:
+    """A family of the distribution: its name and how to draw a model of it."""
+
+    name: str
+    spec: Any = None  # profilers.families.FamilySpec, or None for a DAG generator
+
+    def draw(self, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
+        """The graph for ``seed`` and its spec string."""
+        if self.spec is None:
+            spec = f"{self.name}:seed={seed}"
+            return GENERATORS[self.name](seed, dag_ranges, name=spec), spec
+        from profilers.spec import graph_from_spec
+
+        spec = self.spec.sample(seed)
+        return graph_from_spec(spec), spec
+
+
+def family(entry: str | Mapping[str, Any] | Family) -> Family:
+    """A :class:`Family` from a name or a family-spec mapping (one-line :class:`DistributionError`)."""
+    if isinstance(entry, Family):
+        return entry
+    from profilers.families import FamilySpec
+    from profilers.spec import SpecError
+
+    if isinstance(entry, str):
+        if entry in GENERATORS:
+            return Family(entry)
+        if entry not in ZOO_FAMILIES and not entry.startswith("hf:") and ".py:" not in entry:
+            raise DistributionError(f"unknown task family {entry!r}; families: {', '.join(FAMILIES)} "
+                                    "(or hf:NAME, file.py:fn, or a family spec mapping)")
+    try:
+        if isinstance(entry, Mapping):
+            body = {k: v for k, v in entry.items() if k != "name"}
+            spec = FamilySpec.parse(body)
+            name = str(entry.get("name") or body.get("model"))
+        else:
+            spec, name = FamilySpec.parse(entry), entry
+    except SpecError as exc:
+        raise DistributionError(str(exc)) from None
+    return Family(name, spec)
+
+
+def families(entries: Sequence[str | Mapping[str, Any]]) -> list[Family]:
+    out = [family(e) for e in entries]
+    if not out:
         raise DistributionError("the task distribution needs at least one family")
-    bad = [f for f in fams if f not in FAMILIES]
-    if bad:
-        raise DistributionError(f"unknown task famil{'ies' if len(bad) > 1 else 'y'} {', '.join(bad)}; "
-                                f"families: {', '.join(FAMILIES)}")
-    return fams
+    names = [f.name for f in out]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise DistributionError(f"family {dup!r} is listed twice (give family specs distinct 'name's)")
+    return out
 
 
-def draw_graph(family: str, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
-    """The graph of ``family`` for ``seed`` and its spec string."""
-    _check([family])
-    if family in GENERATORS:
-        spec = f"{family}:seed={seed}"
-        return GENERATORS[family](seed, dag_ranges, name=spec), spec
-    from profilers.spec import graph_from_spec, sample_specs
-
-    spec = sample_specs([family], 1, seed=seed)[0]
-    return graph_from_spec(spec), spec
+# ---------------------------------------------------------------------- drawing tasks
+def fits_somewhere(graph: OpGraph, topology: Topology) -> bool:
+    """The model states can fit the cluster at all (see the module docstring)."""
+    params = graph.param_bytes / 2.0  # bf16 weights
+    mem = np.array([d.memory_bytes for d in topology.devices])
+    return bool(params.sum() * STATE_BYTES <= 0.9 * mem.sum()
+                and params.max(initial=0.0) * STATE_BYTES / topology.num_devices <= mem.max())
 
 
-def draw_task(i: int, seed: int, families: Sequence[str] = FAMILIES, holdout: Sequence[str] = HOLDOUT_FAMILIES,
-              dag_ranges: DagRanges = DagRanges(), cluster_ranges: ClusterRanges = ClusterRanges()) -> TaskDraw:
+def draw_task(i: int, seed: int, families_: Sequence[str | Mapping | Family] = FAMILIES,
+              holdout: Sequence[str] = HOLDOUT_FAMILIES, dag_ranges: DagRanges = DagRanges(),
+              cluster_ranges: ClusterRanges = ClusterRanges()) -> TaskDraw:
     """Task ``i`` of the distribution for ``seed`` (see the module docstring)."""
-    fams = _check(families)
+    fams = families(families_)
     rng = np.random.default_rng([int(seed), int(i)])
-    family = fams[int(rng.integers(len(fams)))]
-    gseed, cseed = (int(x) for x in rng.integers(0, 2**31 - 1, size=2))
-    graph, spec = draw_graph(family, gseed, dag_ranges)
-    topo = random_cluster(cseed, cluster_ranges)
-    return TaskDraw(graph, topo, family, spec, "holdout" if family in set(holdout) else "train",
-                    int(rng.integers(0, 2**31 - 1)))
+    fam = fams[int(rng.integers(len(fams)))]
+    for _ in range(MAX_REDRAWS):
+        gseed, cseed, tseed = (int(x) for x in rng.integers(0, 2**31 - 1, size=3))
+        try:
+            graph, spec = fam.draw(gseed, dag_ranges)
+        except RlplaceError as exc:
+            raise DistributionError(f"family {fam.name!r}: {exc}") from None
+        topo = random_cluster(cseed, cluster_ranges)
+        if fits_somewhere(graph, topo):
+            return TaskDraw(graph, topo, fam.name, spec, "holdout" if fam.name in set(holdout) else "train", tseed)
+    raise DistributionError(f"family {fam.name!r}: no draw of {MAX_REDRAWS} fits its cluster's memory; give "
+                            "smaller knob ranges or larger clusters")
 
 
-def draw_tasks(n: int, seed: int, families: Sequence[str] = FAMILIES, holdout: Sequence[str] = HOLDOUT_FAMILIES,
-               dag_ranges: DagRanges = DagRanges(), cluster_ranges: ClusterRanges = ClusterRanges()) -> list[TaskDraw]:
+def draw_tasks(n: int, seed: int, families_: Sequence[str | Mapping | Family] = FAMILIES,
+               holdout: Sequence[str] = HOLDOUT_FAMILIES, dag_ranges: DagRanges = DagRanges(),
+               cluster_ranges: ClusterRanges = ClusterRanges()) -> list[TaskDraw]:
     """Tasks ``0 .. n-1`` of the distribution for ``seed``."""
     if n < 0:
         raise DistributionError(f"the number of tasks must be >= 0, got {n}")
-    return [draw_task(i, seed, families, holdout, dag_ranges, cluster_ranges) for i in range(n)]
+    fams = families(families_)
+    return [draw_task(i, seed, fams, holdout, dag_ranges, cluster_ranges) for i in range(n)]
 
 
-__all__ = ["FAMILIES", "HOLDOUT_FAMILIES", "RANDOM_FAMILIES", "ZOO_FAMILIES", "ClusterRanges", "DagRanges",
-           "DistributionError", "TaskDraw", "draw_graph", "draw_task", "draw_tasks"]
+def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
+    """(training tasks, held-out tasks) of a training config's ``tasks.distribution`` section
+    (:class:`agent.config.DistributionSection`): ``tasks`` draws over the training families and
+    ``holdout_tasks`` over the held-out ones, from two seeded streams."""
+    clusters = ClusterRanges(devices=tuple(section.devices), hosts=tuple(section.hosts),
+                             memory_scale=tuple(section.memory_scale))
+    train_fams = families(section.families if section.families is not None else TRAIN_FAMILIES)
+    held_fams = families(section.holdout_families if section.holdout_families is not None else HOLDOUT_FAMILIES)
+    overlap = {f.name for f in train_fams} & {f.name for f in held_fams}
+    if overlap:
+        raise DistributionError(f"families both trained on and held out: {', '.join(sorted(overlap))}")
+    held = [f.name for f in held_fams]
+    train = draw_tasks(section.tasks, section.seed, train_fams, held, cluster_ranges=clusters)
+    holdout = draw_tasks(section.holdout_tasks, section.seed + 1, held_fams, held, cluster_ranges=clusters)
+    return train, holdout
+
+
+def draw_graph(family_: str | Mapping, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
+    """The graph of a family (name or spec) for ``seed`` and its spec string."""
+    return family(family_).draw(seed, dag_ranges)
+
+
+__all__ = ["FAMILIES", "HOLDOUT_FAMILIES", "TRAIN_FAMILIES", "RANDOM_FAMILIES", "ZOO_FAMILIES", "ClusterRanges",
+           "DagRanges", "DistributionError", "Family", "TaskDraw", "draw_distribution", "draw_graph", "draw_task",
+           "draw_tasks", "families", "family", "fits_somewhere"]
