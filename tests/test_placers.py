@@ -135,3 +135,13 @@ def test_megatron_beats_single_device_on_a_big_transformer():
     mega = run_placer("megatron_3d", g, topo, budget=Budget(evaluations=60))
     assert mega.provenance["predicted_step_time"] < single.provenance["predicted_step_time"] / 2
     assert set(mega.provenance["config"]) >= {"tp", "pp", "dp", "microbatch_size", "schedule", "recompute"}
+
+
+def test_caps_allow_sequence_splits_only_on_token_wise_ops_of_a_tensor_parallel_group():
+    from agent.placers.common import caps_allow
+    from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE
+
+    token_wise = CAN_BATCH | CAN_REPLICATE
+    assert caps_allow(token_wise, "seq_split", 4, 2) and caps_allow(token_wise, "seq_split", 8, 1)
+    assert not caps_allow(token_wise, "seq_split", 4, 4)  # tp = 1: nothing to split the sequence over
+    assert not caps_allow(CAN_BATCH | CAN_COL, "seq_split", 4, 1)  # not replicable: not token-wise

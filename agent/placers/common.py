@@ -240,6 +240,8 @@ def caps_allow(caps: int, layout: str, group_size: int, dp: int) -> bool:
         return bool(caps & CAN_COL)
     if layout == "row_split":
         return bool(caps & CAN_ROW)
+    if layout == "seq_split":  # sequence parallelism: token-wise ops of a tensor-parallel group (tp >= 2)
+        return bool(caps & CAN_REPLICATE and caps & CAN_BATCH) and group_size // dp >= 2
     return layout == "replicate" and bool(caps & CAN_REPLICATE)
 
 
