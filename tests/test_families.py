@@ -69,6 +69,39 @@ def test_catalogue_is_complete():
             assert set(SIZES[fam][size]) <= set(knobs(fam)), (fam, size)
 
 
+def _names(g, prefix):
+    return [n for n in g.names if n.startswith(prefix)]
+
+
+def _structure(family: str, g, v: dict) -> None:
+    """What a traced draw of each new family must show (module paths, attention cores, parameters)."""
+    core = [g.names[i] for i in np.flatnonzero(attention_core(g))]
+    if family == "llama":
+        L, h, heads, kv = v["layers"], v["hidden"], v["heads"], v["kv_heads"]
+        assert core == [f"layers.{i}.attn.sdpa" for i in range(L)]
+        assert {f"layers.{L - 1}.attn.rope", f"layers.{L - 1}.mlp.gate", f"layers.{L - 1}.mlp.down", "lm_head"} \
+            <= set(g.names)
+        assert g.kinds.count("rmsnorm") == 2 * L + 1 and g.meta["heads"] == heads
+        qkv = g.names.index("layers.0.attn.qkv")
+        assert g.param_bytes[qkv] == 2 * h * (heads + 2 * kv) * (h // heads)  # grouped-query attention
+    elif family == "t5":
+        assert len(core) == 3 * v["layers"] and f"decoder.layers.{v['layers'] - 1}.cross_attn.kv" in g.names
+        assert g.meta["shared_params"]  # one token embedding for encoder and decoder
+    elif family == "vit":
+        assert g.kinds[1] == "conv2d" and len(core) == v["layers"] and "patch_embed.cat" in g.names
+    elif family == "dlrm":
+        assert _names(g, "embeddings.") == [f"embeddings.{i}" for i in range(v["tables"])]
+        assert "interaction" in g.names and not core
+    elif family == "twotower":
+        assert len(_names(g, "user.embeddings.")) == v["user_tables"] and f"item.mlp.{2 * v['layers']}" in g.names
+    elif family == "diffusion":  # attention in the lowest level on the way down and up, and twice in the middle
+        assert "time.fc1" in g.names and len(core) == 4 and "groupnorm" in g.kinds
+    elif family == "convnext":
+        assert "stages.3.2.dwconv" in g.names and g.kinds.count("conv2d") == 1 + 3 + (3 + 3 + v["depth"] + 3)  # stem, down, dwconv
+    elif family == "moe":
+        assert (expert_layers(g)[0] >= 0).any()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_each_family_traces_a_small_draw(family):
     spec = FamilySpec(model=family, knobs=TINY[family]).sample(1)
@@ -76,7 +109,9 @@ def test_each_family_traces_a_small_draw(family):
     g = graph_from_spec(spec)
     g.validate()
     assert g.num_nodes > 5 and g.fwd_flops.sum() > 0 and g.param_bytes.sum() > 0
-    assert g.batch_size == _values(spec)["batch"]
+    v = _values(spec)
+    assert g.batch_size == v["batch"]
+    _structure(family, g, v)
 
 
 def test_sampler_is_deterministic():
@@ -304,30 +339,6 @@ def test_published_sizes():
     module, _, _ = build_model(dlrm)
     emb = sum(p.numel() for n, p in module.named_parameters() if n.startswith("embeddings."))
     assert emb == 26 * 10**7 * 128 and emb / _params(dlrm) > 0.999
-
-
-def test_new_families_structure():
-    g = graph_from_spec("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=128,seq=8")
-    core = attention_core(g)
-    assert [g.names[v] for v in np.flatnonzero(core)] == ["layers.0.attn.sdpa", "layers.1.attn.sdpa"]
-    assert {"layers.1.attn.qkv", "layers.1.attn.rope", "layers.1.mlp.gate", "layers.1.mlp.down", "lm_head"} \
-        <= set(g.names)
-    assert g.kinds.count("rmsnorm") == 5 and g.meta["heads"] == 4
-    qkv = g.names.index("layers.0.attn.qkv")
-    assert g.param_bytes[qkv] == 2 * 64 * (4 + 2 * 2) * 16  # GQA: 4 query heads, 2 kv heads of 16
-    t5 = graph_from_spec("t5:layers=1")
-    assert {"decoder.layers.0.cross_attn.sdpa", "decoder.layers.0.cross_attn.kv"} <= set(t5.names)
-    assert attention_core(t5).sum() == 3
-    vit = graph_from_spec("vit:layers=2")
-    assert vit.kinds[1] == "conv2d" and attention_core(vit).sum() == 2 and "layers.1.mlp.fc2" in vit.names
-    dl = graph_from_spec("dlrm:tables=3")
-    assert [n for n in dl.names if n.startswith("embeddings.")] == ["embeddings.0", "embeddings.1", "embeddings.2"]
-    assert "interaction" in dl.names and not attention_core(dl).any()
-    tt = graph_from_spec("twotower")
-    assert any(n.startswith("user.embeddings.") for n in tt.names) and "item.mlp.4" in tt.names
-    d = graph_from_spec("diffusion")
-    assert "time.fc1" in d.names and attention_core(d).sum() == 4 and "groupnorm" in d.kinds
-    assert (expert_layers(graph_from_spec("moe:layers=1,experts=3"))[0] >= 0).any()
 
 
 def test_new_family_errors():
