@@ -130,9 +130,10 @@ RANGES: dict[str, FamilyRanges] = {
     "bert": FamilyRanges({"layers": R(12, 24), "hidden": R(768, 1024, 256), "heads": PER("hidden", "div", C(64)),
                           "seq": C(128, 256, 512), "vocab": C(30522, 50265), "batch": R(32, 1024, 8)},
                          rules=("heads | hidden",)),
-    # moe's dispatch and combine are dense einsums whose work grows with tokens^2: batch stays modest
+    # moe's dispatch and combine are dense einsums whose work grows with tokens^2: batch stays modest;
+    # every expert is its own nodes (3 each), so experts stay at most 32 to keep traces to a few seconds
     "moe": FamilyRanges({"layers": R(8, 32), "hidden": R(512, 4096, 256), "heads": PER("hidden", "div", _HEAD),
-                         "experts": C(8, 16, 32, 64), "topk": C(1, 2), "seq": R(512, 2048, 256),
+                         "experts": C(8, 16, 32), "topk": C(1, 2), "seq": R(512, 2048, 256),
                          "vocab": C(32000, 50257), "every": C(1, 2), "capacity": C(1.0, 1.25, 1.5, 2.0, step=0),
                          "batch": R(4, 32, 4)},
                         rules=("heads | hidden", "topk <= experts")),
