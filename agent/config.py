@@ -22,9 +22,8 @@ from envs.placement.env import MODES, REFINE_INITS
 from envs.placement.observation import OPTION_STATE_FEATURES
 from envs.placement.options import ORDERS
 from envs.sim import OBJECTIVES
-from profilers.zoo import SIZES
+from profilers.spec import SAMPLE_SIZES as SPEC_SIZES
 
-SPEC_SIZES = tuple(sorted({s for sizes in SIZES.values() for s in sizes}))
 MAX_SEED = 2**31 - 1
 
 
@@ -66,8 +65,8 @@ class EnvSection(Section):
     coarsen: bool = True
     coarsen_method: Literal[COARSEN_METHODS] = "auto"  # type: ignore[valid-type]
     order: Literal[ORDERS] = "topological"  # type: ignore[valid-type]
-    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32], min_length=1,
-                                                  max_length=16)
+    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128],
+                                                  min_length=1, max_length=16)
     refine_passes: PositiveInt = 1
     refine_init: Literal[REFINE_INITS] = "best"  # type: ignore[valid-type]
     eval_graph: Literal["coarse", "fine"] = "fine"
@@ -159,8 +158,9 @@ class ExpertIterationSection(Section):
 
     rounds: PositiveInt = 3
     dataset: str | None = None  # default: RUN_DIR/dataset
-    search_evaluations: Count = 600  # round 0: MCMC from the best heuristic, per task
-    policy_evaluations: PositiveInt = 300  # rounds > 0: policy-guided search per task
+    search_evaluations: Count = 600  # the dataset: MCMC from the best heuristic, per task
+    target_evaluations: Count = 200  # round 0: search in the environment's action space from the expressed best
+    policy_evaluations: Count = 300  # rounds > 0: the same search, from the best of the policy's plans too
     policy_samples: Count = 4  # sampled rollouts beside the greedy one when seeding the search
     distill_epochs: PositiveInt = 8
     distill_batch_size: PositiveInt = 256

@@ -6,22 +6,28 @@ A config with an ``expert_iteration`` section (and a ``tasks.distribution``: tas
 families x sizes x random clusters, :mod:`agent.distribution`) trains like this, top to bottom::
 
     draw the training tasks and the held-out-family tasks          (seeded: the same config, the same tasks)
-    dataset  <- heuristics + MCMC from the best, per training task  (round 0's targets; agent.dataset)
+    dataset  <- heuristics + MCMC from the best, per training task  (the best known plans; agent.dataset)
                 heuristics only, per held-out task                   (the zero-shot yardstick)
     for round r = 0 .. rounds-1:
-        if r > 0: per training task, the policy's plans (greedy + samples) and the policy-guided search
-                  from the best of them and the task's best-known plan; a better plan becomes a new row
-        distil:   replay every task's best-known plan in the environment and behaviour-clone the whole
-                  decision sequence (agent.imitation; cross-entropy + value regression)
-        improve:  PPO with self-imitation (agent.self_imitation) on the training tasks, the dataset's
-                  plans counting as known bests
+        targets:  per training task, the best plan the policy's environment can express: the dataset's
+                  best plan replayed in it, the current target, in rounds > 0 the policy's plans (greedy +
+                  samples), then a search from the best of them with group moves in the action space (the
+                  policy's moves; uniform ones in round 0); a plan beating the dataset's best is a new row
+        distil:   replay every task's target in the environment and behaviour-clone the whole decision
+                  sequence (agent.imitation; cross-entropy + value regression)
+        improve:  PPO with self-imitation (agent.self_imitation) on the training tasks, the targets counting
+                  as known bests
         evaluate: on the held-out families, the policy's best of greedy + samples vs the best fast
                   heuristic (the zero-shot ratio); TensorBoard ``expert_iteration/*`` per round
 
+Targets are distilled rather than the dataset's plans themselves because a plan found by MCMC over
+operators (a stage on three of five devices, 122 microbatches ...) may not be a sequence of the
+environment's actions; replaying it exactly is what makes the clone reproduce it.
+
 Every phase ends with an atomic checkpoint (``checkpoints/round_<r>_<phase>.zip``) and a line in
 ``expert_iteration.json``; ``--resume`` continues after the last finished phase, and the dataset's
-own resume skips finished tasks (a killed search round keeps its finished rows: ``search_round_<r>.txt``
-lists the tasks already searched). The policy of the last round is ``model.zip``.
+own resume skips finished tasks (a killed search round keeps its finished tasks: ``targets.jsonl`` and
+``search_round_<r>.txt``). The policy of the last round is ``model.zip``.
 """
 
 from __future__ import annotations
@@ -79,104 +85,179 @@ class IterationState:
         return next((x[3] for x in self.finished if x[0] == r and x[1] == phase), {})
 
 
-# ---------------------------------------------------------------------- policy-seeded search (one task)
+# ---------------------------------------------------------------------- targets (one task)
 @dataclass
-class PolicySearchJob:
-    """One training task of a round r > 0: the policy's plans, then the guided search from the best of
-    them and the task's best-known plan (picklable: the policy travels as a path)."""
+class TargetJob:
+    """One training task's search for its distillation target: the best plan the policy's environment
+    can express (picklable: the policy travels as a path)."""
 
     row: dict  # the task's best dataset row
+    target: dict | None  # its current target, if any
     dataset: str
     policy: str
-    samples: int
-    evaluations: int
+    samples: int  # the policy's sampled rollouts beside the greedy one (rounds > 0)
+    evaluations: int  # the search's simulator evaluations
+    uniform: bool  # round 0: the untrained policy's moves are drawn uniformly
     seed: int
     round: int
 
 
-_MODELS: dict[tuple[str, float], Any] = {}
+def find_target(job: TargetJob) -> dict:
+    """The task's new target and dataset row (each None when not better than the current one).
 
-
-def _policy(path: str):
-    """The policy at ``path``, loaded once per process (and again when the file changes)."""
-    from agent.infer import load_policy
-
-    key = (path, os.path.getmtime(path))
-    if key not in _MODELS:
-        _MODELS.clear()
-        _MODELS[key] = load_policy(path)
-    return _MODELS[key]
-
-
-def policy_search(job: PolicySearchJob) -> dict | None:
-    """The new dataset row of ``job``'s task when the policy and the guided search beat its best-known
-    plan, else None."""
+    Candidates: the dataset's best plan replayed in the policy's environment (the nearest plan the
+    environment expresses), the current target, and in rounds > 0 the policy's plans (greedy + samples);
+    from the best of them, the guided search with only group moves in the environment's action space
+    (``policy_fraction=1``: every plan it visits stays expressible). A target beats another by (out of
+    memory, value); a plan that beats the dataset's best also becomes a dataset row."""
     from agent.dataset import Dataset, _scrub
     from agent.guided_search import guided_search
-    from agent.infer import Candidate, place
+    from agent.imitation import replay
+    from agent.infer import Candidate, cached_policy, place, policy_env
     from envs.evaluator import CachedSimulation
+    from envs.plan import Plan
 
     t0 = time.perf_counter()
     ds = Dataset(path=Path(job.dataset))
     task = ds.task(job.row)
-    model = _policy(job.policy)
-    best_known = ds.plan(job.row)
-    res = place(task.graph, task.topology, model=model, objective=job.row["objective"], samples=job.samples,
-                seed=job.seed, baselines=False)
-    pol = min(res.candidates, key=Candidate.key)
-    known = (bool(job.row["oom"]), float(job.row["value"]))
-    start = pol.plan if pol.key() < known else best_known
-    found = guided_search(model, task.graph, task.topology, job.row["objective"], start, seed=job.seed,
-                          evaluations=job.evaluations, evaluator=CachedSimulation(cache_size=4096))
-    cands = [((pol.oom, pol.value), pol.plan, f"policy round {job.round}"),
-             ((found.oom, found.value), found.plan, f"guided search round {job.round}")]
-    (oom, value), plan, source = min(cands, key=lambda c: c[0])
-    if (oom, value) >= known:
-        return None
-    row = {k: v for k, v in job.row.items() if k not in ("graph", "topology")}
-    row.update(value=float(value), oom=bool(oom), source=source, plan=_scrub(plan.bind(task.graph).to_dict()),
-               round=int(job.round), evaluations=int(job.evaluations), seconds=round(time.perf_counter() - t0, 3),
-               seed=int(job.seed))
-    return row
+    objective = job.row["objective"]
+    model = cached_policy(job.policy)
+    ev = CachedSimulation(cache_size=4096)
+    env, _, _ = policy_env(model, task, objective, None, ev)
+    demo = replay(env, task, ds.plan(job.row))
+    cands = [((demo.oom, demo.replay_time), demo.plan, f"expressed {job.row['source']}")]
+    if job.target is not None:
+        cands.append(((bool(job.target["oom"]), float(job.target["value"])), Plan.from_dict(job.target["plan"]),
+                      job.target["source"]))
+    if job.round > 0:
+        res = place(task.graph, task.topology, model=model, objective=objective, samples=job.samples, seed=job.seed,
+                    baselines=False)
+        pol = min(res.candidates, key=Candidate.key)
+        cands.append((pol.key(), pol.plan, f"policy round {job.round}"))
+    key, start, source = min(cands, key=lambda c: c[0])
+    if job.evaluations > 0:
+        found = guided_search(model, task.graph, task.topology, objective, start, seed=job.seed,
+                              evaluations=job.evaluations, policy_fraction=1.0, uniform_moves=job.uniform,
+                              evaluator=ev)
+        if (found.oom, found.value) < key:
+            key, start, source = (found.oom, found.value), found.plan, f"action-space search round {job.round}"
+    start, key = simplest(env.prepared, start, key, ev, objective)
+    out: dict = {"target": None, "row": None}
+    current = (bool(job.target["oom"]), float(job.target["value"])) if job.target is not None else None
+    plan_doc = _scrub(start.bind(task.graph).to_dict())
+    if current is None or key < current:
+        out["target"] = {"task_id": job.row["task_id"], "value": float(key[1]), "oom": bool(key[0]), "source": source,
+                         "round": int(job.round), "plan": plan_doc}
+    if key < (bool(job.row["oom"]), float(job.row["value"])):
+        row = {k: v for k, v in job.row.items() if k not in ("graph", "topology")}
+        row.update(value=float(key[1]), oom=bool(key[0]), source=source, plan=plan_doc, round=int(job.round),
+                   evaluations=int(job.evaluations), seconds=round(time.perf_counter() - t0, 3), seed=int(job.seed))
+        out["row"] = row
+    return out
 
 
-def search_round(dataset, rows: Sequence[dict], policy_path: Path, r: int, *, samples: int, evaluations: int,
-                 seed: int, executor=None, progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Round ``r``'s policy-seeded search over ``rows`` (each task's best row); better plans are appended
-    as rows. Resumable: ``search_round_<r>.txt`` lists the tasks finished. Returns counts."""
+def simplest(prep, plan, key: tuple[bool, float], evaluator, objective: str):
+    """``plan`` with every group's modifier reset to none (ZeRO 0, no recomputation, no expert
+    parallelism) wherever that is no worse, group by group: among equally good plans the simplest, so the
+    clone learns the choices that matter rather than a search's arbitrary ones. Returns (plan, key)."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import express
+
+    assign = express(prep, plan)
+    graph, topo = prep.task.graph, prep.task.topology
+    for v in range(assign.size):
+        if assign[v] % N_MODIFIERS == 0 or (prep.class_of[v] >= 0 and prep.class_members[prep.class_of[v]][0] != v):
+            continue
+        c = int(prep.class_of[v])
+        groups = prep.class_members[c] if c >= 0 else [v]
+        cand = prep.apply_action(plan, groups, int(assign[v]) - int(assign[v]) % N_MODIFIERS)
+        cand.virtual_stages = plan.virtual_stages
+        try:
+            res = evaluator.evaluate(graph, topo, cand, objective)
+        except RlplaceError:
+            continue
+        if (res.oom, res.value) <= key:
+            plan, key = cand, (bool(res.oom), float(res.value))
+    return plan, key
+
+
+class Targets:
+    """The distillation targets of a run (``targets.jsonl``: appended rows, the best per task wins)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: list[dict] = []
+        if path.exists():
+            raw = path.read_bytes()
+            complete, sep, torn = raw.rpartition(b"\n")
+            if torn:  # a line a kill cut: dropped
+                with open(path, "rb+") as fh:
+                    fh.truncate(len(complete) + len(sep))
+            self.rows = [json.loads(x) for x in complete.split(b"\n") if x.strip()] if sep else []
+
+    def best(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for r in self.rows:
+            cur = out.get(r["task_id"])
+            if cur is None or (r["oom"], r["value"]) <= (cur["oom"], cur["value"]):
+                out[r["task_id"]] = r
+        return out
+
+    def append(self, row: dict) -> None:
+        from envs.files import finite_json
+
+        with open(self.path, "a") as fh:
+            fh.write(finite_json(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.rows.append(row)
+
+
+def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path: Path, r: int, *, samples: int,
+                 evaluations: int, seed: int, executor=None, progress: bool = True,
+                 log: Callable[[str], None] = print) -> dict:
+    """Round ``r``'s target search over ``task_ids``; better targets are appended to ``targets``, plans
+    that beat the dataset's best to the dataset. Resumable: a task whose round-r search finished has a
+    line in ``search_round_<r>.txt``. Returns counts."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agent.scale import Executor
 
-    done_file = Path(dataset.path) / f"search_round_{r}.txt"
+    done_file = targets.path.parent / f"search_round_{r}.txt"
     done = set(done_file.read_text().split()) if done_file.exists() else set()
-    todo = [row for row in rows if row["task_id"] not in done]
-    jobs = [PolicySearchJob(row=row, dataset=str(dataset.path), policy=str(policy_path), samples=samples,
-                            evaluations=evaluations, seed=seed + i, round=r) for i, row in enumerate(todo)]
-    improved = 0
+    best, tbest = dataset.best(), targets.best()
+    todo = [t for t in task_ids if t not in done]
+    jobs = [TargetJob(row=best[t], target=tbest.get(t), dataset=str(dataset.path), policy=str(policy_path),
+                      samples=samples, evaluations=evaluations, uniform=r == 0, seed=seed + i, round=r)
+            for i, t in enumerate(todo)]
+    counts = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
-        t = bar.add_task(f"round {r} search", total=len(jobs))
-        finished: dict[int, dict | None] = {}
+        t = bar.add_task(f"round {r} targets", total=len(jobs))
+        finished: dict[int, dict] = {}
         next_i = 0
 
-        def keep(i: int, new: dict | None) -> None:
-            nonlocal improved, next_i
-            finished[i] = new
-            while next_i in finished:  # in job order, so the file is the same however the jobs ran
-                got, job = finished.pop(next_i), jobs[next_i]
-                if got is not None:
-                    dataset.append(got, dataset.task(job.row))
-                    improved += 1
+        def keep(i: int, got: dict) -> None:
+            nonlocal next_i
+            finished[i] = got
+            while next_i in finished:  # in job order, so the files are the same however the jobs ran
+                out, job = finished.pop(next_i), jobs[next_i]
+                if out["row"] is not None:
+                    dataset.append(out["row"], dataset.task(job.row))
+                    counts["improved_dataset"] += 1
+                if out["target"] is not None:
+                    targets.append(out["target"])
+                    counts["new_targets"] += 1
                 with open(done_file, "a") as fh:
                     fh.write(job.row["task_id"] + "\n")
                 next_i += 1
             bar.advance(t)
 
         with executor or Executor() as ex:
-            ex.map(policy_search, jobs, on_result=keep)
-    log(f"round {r}: the policy and the guided search improved {improved} of {len(rows)} task(s)")
-    return {"searched": len(rows), "improved": improved}
+            ex.map(find_target, jobs, on_result=keep)
+    log(f"round {r}: {counts['new_targets']} new target(s), {counts['improved_dataset']} dataset improvement(s) "
+        f"over {len(task_ids)} task(s)")
+    return counts
 
 
 # ---------------------------------------------------------------------- zero-shot evaluation
@@ -238,13 +319,14 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     ids = {"train": [j.task_id for j in jobs if j.split == "train"],
            "holdout": [j.task_id for j in jobs if j.split == "holdout"]}
     best = dataset.best()
-    tasks = [dataset.task(best[i]) for i in ids["train"]]
+    ids["train"], tasks = placeable(dataset, [best[i] for i in ids["train"]], cfg.env, log)
     model, venv = model_factory(tasks)
     if resume and state.last_checkpoint():
         from sb3_contrib import MaskablePPO
 
         model = MaskablePPO.load(state.last_checkpoint(), env=venv, device="cpu", tensorboard_log=str(run / "tb"))
         log(f"resuming expert iteration from {state.last_checkpoint()}")
+    targets = Targets(run / "targets.jsonl")
     writer = _writer(run)
     rounds = []
     try:
@@ -252,56 +334,79 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
             if deadline is not None and time.perf_counter() > deadline:
                 log(f"deadline reached before round {r}")
                 break
-            if r > 0 and not state.done(r, "search"):
+            if not state.done(r, "search"):
                 path = _checkpoint(model, run, r, "search-start")
-                stats = search_round(dataset, [dataset.best()[i] for i in ids["train"]], path, r,
-                                     samples=ei.policy_samples, evaluations=ei.policy_evaluations,
+                stats = search_round(dataset, targets, ids["train"], path, r,
+                                     samples=ei.policy_samples if r > 0 else 0,
+                                     evaluations=ei.policy_evaluations if r > 0 else ei.target_evaluations,
                                      seed=cfg.seed + 1000 * r, executor=executor, progress=progress, log=log)
                 state.mark(r, "search", None, stats)
-            best = dataset.best()
-            targets = {tasks[i].name: best[tid] for i, tid in enumerate(ids["train"])}
+            tbest = targets.best()
+            goal = {tasks[i].name: tbest[tid] for i, tid in enumerate(ids["train"]) if tid in tbest}
             if not state.done(r, "distill"):
-                stats = distil(model, tasks, targets, dataset, cfg.env, epochs=ei.distill_epochs,
+                stats = distil(model, tasks, goal, cfg.env, epochs=ei.distill_epochs,
                                batch_size=ei.distill_batch_size, learning_rate=ei.distill_learning_rate,
                                seed=cfg.seed + r, log=log)
                 state.mark(r, "distill", str(_checkpoint(model, run, r, "distill")), stats)
             if not state.done(r, "ppo") and ei.ppo_steps > 0:
-                stats = improve(model, cfg, run, tasks, targets, dataset, steps=ei.ppo_steps, progress=progress,
-                                log=log, deadline=deadline)
+                stats = improve(model, cfg, run, tasks, goal, steps=ei.ppo_steps, progress=progress, log=log,
+                                deadline=deadline)
                 state.mark(r, "ppo", str(_checkpoint(model, run, r, "ppo")), stats)
             if not state.done(r, "evaluate"):
-                held = [dataset.best()[i] for i in ids["holdout"]]
+                best = dataset.best()
+                held = [best[i] for i in ids["holdout"]]
                 stats = zero_shot(model, dataset, held, samples=ei.eval_samples, seed=cfg.seed)
-                train_ratio = _train_ratio(model, dataset, [targets[t.name] for t in tasks[:ei.train_eval_tasks]],
+                train_ratio = _train_ratio(model, dataset, [best[i] for i in ids["train"][:ei.train_eval_tasks]],
                                            ei.eval_samples, cfg.seed)
                 stats = {**{k: v for k, v in stats.items() if k != "rows"}, "train": train_ratio,
                          "holdout": stats["rows"]}
                 state.mark(r, "evaluate", None, stats)
-            report = _round_report(state, r, dataset, ids)
+            report = _round_report(state, r, dataset, targets, ids)
             rounds.append(report)
             if not state.done(r, "logged"):  # once per round, also across resumes
                 _log_round(writer, report, model)
                 state.mark(r, "logged", None, {})
-            log(f"round {r}: dataset {report['dataset_rows']} rows, distillation cross-entropy "
-                f"{report.get('distill_loss', float('nan')):.3f} (agreement {report.get('agreement', 0):.1%}), "
-                f"held-out zero-shot geo-mean {report.get('zero_shot_geomean', float('nan')):.3f} "
-                f"(min {report.get('zero_shot_min', float('nan')):.3f}), training tasks "
-                f"{report.get('train_geomean', float('nan')):.3f} of the best known")
+            log(f"round {r}: dataset {report['dataset_rows']} rows, targets at {report['targets_vs_best']:.3f} of "
+                f"the best known, distillation cross-entropy {report.get('distill_loss') or float('nan'):.3f} "
+                f"(agreement {report.get('agreement') or 0:.1%}), held-out zero-shot geo-mean "
+                f"{report.get('zero_shot_geomean') or float('nan'):.3f} (min "
+                f"{report.get('zero_shot_min') or float('nan'):.3f}), training tasks "
+                f"{report.get('train_geomean') or float('nan'):.3f} of the best known")
     finally:
         writer.close()
     path = atomic_save(model, run / "model.zip")
     return IterationResult(model=model, model_path=path, rounds=rounds, seconds=time.perf_counter() - t0)
 
 
-def distil(model, tasks: Sequence, targets: dict[str, dict], dataset, env_kwargs: dict, *, epochs: int,
-           batch_size: int, learning_rate: float, seed: int, log: Callable[[str], None]) -> dict:
-    """Behaviour-clone every task's best-known plan (the whole decision sequence of its replay)."""
+def placeable(dataset, rows: Sequence[dict], env_kwargs: dict, log: Callable[[str], None]) -> tuple[list, list]:
+    """(task ids, Tasks) of the rows whose task the training environment takes (a task it refuses, e.g. an
+    operator no device can hold at this padding, is left out with a message)."""
+    from envs.errors import EnvError
+    from envs.placement.env import PlacementEnv
+
+    ids, tasks = [], []
+    for row in rows:
+        task = dataset.task(row)
+        try:
+            PlacementEnv([task], **env_kwargs)
+        except EnvError as exc:
+            log(f"task {row['task_id']} left out of training: {exc}")
+            continue
+        ids.append(row["task_id"])
+        tasks.append(task)
+    return ids, tasks
+
+
+def distil(model, tasks: Sequence, goal: dict[str, dict], env_kwargs: dict, *, epochs: int, batch_size: int,
+           learning_rate: float, seed: int, log: Callable[[str], None]) -> dict:
+    """Behaviour-clone every task's target (the whole decision sequence of its replay)."""
     from agent.imitation import behaviour_clone, collect
+    from envs.plan import Plan
 
     t = time.perf_counter()
-    plans = {name: (row["source"], dataset.plan(row), float(row["value"]), bool(row["oom"]))
-             for name, row in targets.items()}
-    demos = collect(tasks, env_kwargs, plans)
+    plans = {name: (row["source"], Plan.from_dict(row["plan"]), float(row["value"]), bool(row["oom"]))
+             for name, row in goal.items()}
+    demos = collect([x for x in tasks if x.name in plans], env_kwargs, plans)
     t_demo = time.perf_counter() - t
     stats = behaviour_clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed,
                             learning_rate=learning_rate, log=log)
@@ -312,26 +417,27 @@ def distil(model, tasks: Sequence, targets: dict[str, dict], dataset, env_kwargs
             "replay_fidelity": float(np.exp(np.mean(np.log(replay_gap)))) if replay_gap else None}
 
 
-def improve(model, cfg, run: Path, tasks: Sequence, targets: dict[str, dict], dataset, *, steps: int,
-            progress: bool, log: Callable[[str], None], deadline: float | None) -> dict:
-    """PPO for ``steps`` with self-imitation; the dataset's plans are the known bests."""
+def improve(model, cfg, run: Path, tasks: Sequence, goal: dict[str, dict], *, steps: int, progress: bool,
+            log: Callable[[str], None], deadline: float | None) -> dict:
+    """PPO for ``steps`` with self-imitation; the targets are the known bests."""
     from stable_baselines3.common.callbacks import CallbackList
 
     from agent.callbacks import AtomicCheckpointCallback, BestPlanCallback, DeadlineCallback, ProgressCallback
     from agent.self_imitation import SelfImitationCallback
     from agent.train import TB_NAME
+    from envs.plan import Plan
 
     t = time.perf_counter()
     kw = dict(cfg.env)
     best_cb = BestPlanCallback(tasks, run / "plans", objective=kw.get("objective", "step_time"), baselines=False,
                                log=log)
-    known = {name: {"plan": dataset.plan(row), "step_time": float(row["value"]), "oom": bool(row["oom"])}
-             for name, row in targets.items()}
-    sil = cfg.self_imitation or {}
+    known = {name: {"plan": Plan.from_dict(row["plan"]), "step_time": float(row["value"]), "oom": bool(row["oom"])}
+             for name, row in goal.items()}
     cbs = [best_cb, AtomicCheckpointCallback(save_freq=max(1, cfg.callbacks["checkpoint_freq"] // cfg.n_envs),
                                              save_path=str(run / "checkpoints"), name_prefix="model")]
     if cfg.self_imitation is not None:
-        cbs.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed, known=known, **sil))
+        cbs.append(SelfImitationCallback(tasks, kw, lambda: best_cb.best, seed=cfg.seed, known=known,
+                                         **cfg.self_imitation))
     if progress:
         cbs.append(ProgressCallback(best_cb, model.num_timesteps + steps))
     if deadline is not None:
@@ -339,9 +445,9 @@ def improve(model, cfg, run: Path, tasks: Sequence, targets: dict[str, dict], da
     model.learn(total_timesteps=int(steps), callback=CallbackList(cbs), tb_log_name=TB_NAME,
                 reset_num_timesteps=False, progress_bar=False)
     beat = sum(1 for name, b in best_cb.best.items()
-               if (b["oom"], b["step_time"]) < (targets[name]["oom"], targets[name]["value"]))
+               if name in goal and (b["oom"], b["step_time"]) < (goal[name]["oom"], goal[name]["value"]))
     return {"steps": int(steps), "num_timesteps": int(model.num_timesteps), "episodes": best_cb.episodes,
-            "beat_known": beat, "seconds": round(time.perf_counter() - t, 1)}
+            "beat_target": beat, "seconds": round(time.perf_counter() - t, 1)}
 
 
 def _train_ratio(model, dataset, rows: Sequence[dict], samples: int, seed: int) -> float:
@@ -364,16 +470,20 @@ def _checkpoint(model, run: Path, r: int, phase: str) -> Path:
     return atomic_save(model, run / "checkpoints" / f"round_{r}_{phase}.zip")
 
 
-def _round_report(state: IterationState, r: int, dataset, ids: dict) -> dict:
-    distill, ppo, ev = state.stats(r, "distill"), state.stats(r, "ppo"), state.stats(r, "evaluate")
-    best = dataset.best()
-    gaps = [best[i]["heuristic_value"] / best[i]["value"] for i in ids["train"]
-            if not best[i]["oom"] and best[i]["value"] > 0]
+def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids: dict) -> dict:
+    search, distill, ppo, ev = (state.stats(r, p) for p in ("search", "distill", "ppo", "evaluate"))
+    best, tbest = dataset.best(), targets.best()
+
+    def geo(xs):
+        return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+    gaps = [best[i]["heuristic_value"] / best[i]["value"] for i in ids["train"] if not best[i]["oom"]]
+    reach = [best[i]["value"] / tbest[i]["value"] for i in ids["train"] if i in tbest and not tbest[i]["oom"]]
     return {"round": r, "dataset_rows": len(dataset.rows), "dataset_tasks": len(best),
-            "targets_vs_heuristic": float(np.exp(np.mean(np.log(gaps)))) if gaps else float("nan"),
-            "search_improved": state.stats(r, "search").get("improved"),
+            "best_vs_heuristic": geo(gaps), "targets_vs_best": geo(reach),
+            "new_targets": search.get("new_targets"), "search_improved": search.get("improved_dataset"),
             "distill_loss": distill.get("last_loss"), "agreement": distill.get("agreement"),
-            "replay_fidelity": distill.get("replay_fidelity"), "ppo_beat_known": ppo.get("beat_known"),
+            "replay_fidelity": distill.get("replay_fidelity"), "ppo_beat_target": ppo.get("beat_target"),
             "zero_shot_geomean": ev.get("geomean"), "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
             "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train")}
 
@@ -387,9 +497,9 @@ def _writer(run: Path):
 def _log_round(writer, report: dict, model) -> None:
     """TensorBoard ``expert_iteration/*`` scalars at the round's index (and the step count as a scalar)."""
     r = int(report["round"])
-    for key in ("dataset_rows", "targets_vs_heuristic", "search_improved", "distill_loss", "agreement",
-                "replay_fidelity", "ppo_beat_known", "zero_shot_geomean", "zero_shot_min", "zero_shot_wins",
-                "train_geomean"):
+    for key in ("dataset_rows", "best_vs_heuristic", "targets_vs_best", "new_targets", "search_improved",
+                "distill_loss", "agreement", "replay_fidelity", "ppo_beat_target", "zero_shot_geomean",
+                "zero_shot_min", "zero_shot_wins", "train_geomean"):
         v = report.get(key)
         if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
             writer.add_scalar(f"expert_iteration/{key}", float(v), r)
@@ -397,5 +507,5 @@ def _log_round(writer, report: dict, model) -> None:
     writer.flush()
 
 
-__all__ = ["expert_iteration", "IterationResult", "IterationState", "PolicySearchJob", "policy_search",
-           "search_round", "zero_shot", "distil", "improve"]
+__all__ = ["expert_iteration", "IterationResult", "IterationState", "TargetJob", "Targets", "find_target",
+           "search_round", "zero_shot", "distil", "improve", "placeable"]

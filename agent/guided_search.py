@@ -133,8 +133,8 @@ class PolicyProposer:
 
     def _mb_index(self, microbatches: int) -> int:
         """The env's microbatch choice nearest (in log) to the plan's, among those the batch allows."""
-        choices = np.array(self.env.microbatch_choices, dtype=np.float64)
-        dist = np.where(self.prep.mb_valid, np.abs(np.log(choices) - math.log(max(microbatches, 1))), np.inf)
+        counts = np.maximum(self.prep.mb_counts, 1).astype(np.float64)
+        dist = np.where(self.prep.mb_valid, np.abs(np.log(counts) - math.log(max(microbatches, 1))), np.inf)
         return int(np.argmin(dist))
 
     def distributions(self, groups: list[int]) -> list[np.ndarray]:

@@ -39,6 +39,8 @@ class Demonstration:
     heuristic_time: float  # the placer's plan, simulated on the operator graph
     replay_time: float  # the replayed episode's plan, as the environment scores it
     score: float  # the final plan's score
+    plan: Plan | None = None  # the replayed episode's plan (on the task's operators), as the environment made it
+    oom: bool = False
     obs: list[dict[str, np.ndarray]] = field(repr=False, default_factory=list)
     masks: list[np.ndarray] = field(repr=False, default_factory=list)
     actions: list[int] = field(repr=False, default_factory=list)
@@ -100,7 +102,7 @@ def demo_action(env, plan: Plan, target: np.ndarray | None = None) -> int:
     name = PHASES[phase]
     if name == "microbatches":
         want = np.log2(max(int(plan.microbatches), 1))
-        dist = [abs(np.log2(env.microbatch_choices[a]) - want) for a in allowed]
+        dist = [abs(np.log2(prepared.mb_counts[a]) - want) for a in allowed]
         return int(allowed[int(np.argmin(dist))])
     if name == "schedule":
         a = SCHEDULES.index(plan.schedule)
@@ -144,6 +146,7 @@ def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = floa
         demo.rewards.append(float(reward))
     demo.replay_time = float(info["step_time"])
     demo.score = float(info["score"])
+    demo.plan, demo.oom = info["plan"], bool(info["oom"])
     return demo
 
 

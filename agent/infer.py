@@ -93,6 +93,7 @@ class PlaceResult:
     candidates: list[Candidate]
     seconds: dict[str, float] = field(default_factory=dict)
     search: object | None = None  # the guided search's agent.guided_search.GuidedResult, when it ran
+    evaluations: dict[str, int] = field(default_factory=dict)  # simulations per step (policy, guided_search)
 
     def best_baseline(self) -> Candidate | None:
         base = [c for c in self.candidates if c.kind == "baseline"]
@@ -217,6 +218,18 @@ def load_policy(path: str | os.PathLike | None = None):
     saved = getattr(model, "episode_kwargs", None)  # stored with the model by agent.train
     model.episode_kwargs = {**(saved if isinstance(saved, dict) else {}), **run_episode_kwargs(p)}
     return model
+
+
+_CACHED: dict[tuple[str, float], object] = {}
+
+
+def cached_policy(path: str | os.PathLike):
+    """:func:`load_policy`, once per process and file version (for workers that place many tasks)."""
+    key = (str(path), os.path.getmtime(path))
+    if key not in _CACHED:
+        _CACHED.clear()
+        _CACHED[key] = load_policy(path)
+    return _CACHED[key]
 
 
 EPISODE_KEYS = ("mode", "refine_init", "refine_passes", "order", "microbatch_choices")
@@ -422,8 +435,9 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     ev = CachedSimulation(cache_size=4096)
     model = model if model is not None else load_policy(policy)
     task = Task(graph, topology)
+    policy_ev = CachedSimulation(cache_size=4096)  # the rollouts' simulations, counted apart
     with _timed(secs, "env"):
-        env, fits, factory = policy_env(model, task, objective, max_groups, CachedSimulation(cache_size=4096))
+        env, fits, factory = policy_env(model, task, objective, max_groups, policy_ev)
     with _timed(secs, "policy"):
         cands = policy_candidates(model, env, task, graph, objective, samples, seed, ev, env_factory=factory)
     if finetune_steps > 0 and not fits:
@@ -452,8 +466,9 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
                                          evaluations=max_evaluations, max_groups=max_groups, evaluator=ev)
             cands += found[0]
     cands.sort(key=Candidate.key)
+    evaluations = {"policy": int(policy_ev.misses), "guided_search": int(found[1].evaluations) if found else 0}
     return PlaceResult(plan=winning_plan(cands, objective, seed), best=cands[0], candidates=cands, seconds=secs,
-                       search=found[1] if found else None)
+                       search=found[1] if found else None, evaluations=evaluations)
 
 
 MIN_SEARCH_SECONDS = 0.05  # less budget than this left: the guided search is skipped

@@ -79,16 +79,16 @@ def markdown(report: dict) -> str:
     lines = ["# The shipped policy: expert iteration", "",
              f"`python -m experiments.train_pretrained` ({report['config']}), {report['seconds'] / 3600:.2f} h on "
              "this machine, " f"{report['num_timesteps']} PPO steps.", "",
-             "| round | dataset rows | targets vs heuristic | search improved | distill CE | agreement | "
-             "held-out zero-shot geo-mean | min | wins | training tasks vs best known |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| round | dataset rows | best known vs heuristic | targets vs best known | new targets | "
+             "distill CE | agreement | held-out zero-shot geo-mean | min | wins | training tasks vs best known |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, spec=".3f"):
         return "" if x is None else (format(x, spec) if isinstance(x, float) else str(x))
 
     for r in report["rounds"]:
-        lines.append(f"| {r['round']} | {r['dataset_rows']} | {f(r['targets_vs_heuristic'])} | "
-                     f"{f(r['search_improved'])} | {f(r['distill_loss'])} | {f(r['agreement'], '.1%')} | "
+        lines.append(f"| {r['round']} | {r['dataset_rows']} | {f(r['best_vs_heuristic'])} | {f(r['targets_vs_best'])} | "
+                     f"{f(r['new_targets'])} | {f(r['distill_loss'])} | {f(r['agreement'], '.1%')} | "
                      f"{f(r['zero_shot_geomean'])} | {f(r['zero_shot_min'])} | {f(r['zero_shot_wins'])}/"
                      f"{f(r['zero_shot_n'])} | {f(r['train_geomean'])} |")
     if report["holdout"]:

@@ -393,7 +393,7 @@ def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
     d.mkdir()
     shutil.copy(run["res"].model_path, d / "model.zip")
     saved = {"mode": "place", "refine_init": "best", "refine_passes": 1, "order": "topological",
-             "microbatch_choices": [1, 2, 4, 8, 16, 32]}
+             "microbatch_choices": [1, 2, 4, 8, 16, 32, 64, 128]}
     assert load_policy(d / "model.zip").episode_kwargs == saved  # no run config: the settings saved with it
     (d / "config.yaml").write_text(yaml.safe_dump({"env": {"mode": "refine", "refine_init": "data_parallel",
                                                            "max_nodes": 8}}))

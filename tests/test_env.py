@@ -341,8 +341,6 @@ def test_bad_input_fails_at_construction():
     one_device.layout_caps[:] = 0  # no split of any kind, so no ZeRO either
     with pytest.raises(EnvError, match="no device holds"):
         PlacementEnv([Task(one_device, topo)])
-    with pytest.raises(EnvError, match="microbatch"):
-        PlacementEnv([Task(big, topo, batch=3)], microbatch_choices=(2, 4))
     with pytest.raises(EnvError, match="max_devices"):  # a sampler's first draw is probed
         PlacementEnv(graph_sampler([big], ["a100-80g-cluster:nodes=2"]))
     with pytest.raises(EnvError):
@@ -502,7 +500,8 @@ def test_shipped_policy_was_trained_on_this_observation_space():
     from agent.infer import load_policy, model_shape
 
     model = load_policy()
-    env = PlacementEnv(default_tasks(names=["gpt-tiny"]), **model_shape(model))
+    env = PlacementEnv(default_tasks(names=["gpt-tiny"]), **model_shape(model),
+                       microbatch_choices=model.episode_kwargs["microbatch_choices"])
     assert model.observation_space == env.observation_space
     assert model.action_space == env.action_space
 
@@ -553,3 +552,32 @@ def test_gym_make_in_a_fresh_process(imports, env_id):
                 "obs, info = env.reset(seed=0)\n"
                 "assert env.observation_space.contains(obs) and info['task_id'] == 'gpt-tiny@dgx-a100-80g'\n")
     assert r.returncode == 0, r.stderr
+
+
+def test_microbatch_choices_stand_for_the_nearest_divisor_of_the_batch():
+    from envs.placement.task_setup import microbatch_counts
+
+    np.testing.assert_array_equal(microbatch_counts(488, (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+                                  [1, 2, 4, 8, 0, 61, 0, 122, 244])  # 488 = 8 x 61: 16 is 8 again, 32 and 64 61
+    np.testing.assert_array_equal(microbatch_counts(3, (2, 4)), [3, 0])
+    np.testing.assert_array_equal(microbatch_counts(64, (1, 2, 4, 128)), [1, 2, 4, 64])
+    env = PlacementEnv([Task(load_builtin_graph("gpt-tiny"), preset("pcie-4gpu"), batch=488)])
+    env.reset(seed=0)
+    assert env.prepared.mb_counts.tolist() == [1, 2, 4, 8, 0, 61, 0, 122]
+    np.testing.assert_array_equal(np.flatnonzero(env.action_masks()), [0, 1, 2, 3, 5, 7])
+
+
+def test_kind_groups_are_placements_beside_the_hierarchy():
+    """A host's GPUs without its CPU, and all GPUs across hosts, are placements (hetero: 4 V100 + 2 T4 +
+    a CPU)."""
+    opts = OptionTable.build(preset("hetero"))
+    look = opts.lookup()
+    kinds = [d.kind for d in preset("hetero").devices]
+    gpus = tuple(i for i, k in enumerate(kinds) if k != "cpu")
+    assert any(g == gpus or set(g) == set(gpus) for g in opts.groups) or len(set(kinds)) > 2
+    by_kind = {}
+    for i, k in enumerate(kinds):
+        by_kind.setdefault(k, []).append(i)
+    for members in by_kind.values():
+        if len(members) > 1:
+            assert (tuple(members), "batch_split", len(members)) in look

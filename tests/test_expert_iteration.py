@@ -25,7 +25,8 @@ CONFIG = {
     "callbacks": {"checkpoint_freq": 1000},
     "self_imitation": {"every": 1, "epochs": 2},
     "expert_iteration": {"rounds": 2, "search_evaluations": 30, "policy_evaluations": 20, "policy_samples": 1,
-                         "distill_epochs": 2, "ppo_steps": 128, "eval_samples": 1, "train_eval_tasks": 2},
+                         "distill_epochs": 2, "ppo_steps": 128, "eval_samples": 1, "train_eval_tasks": 2,
+                         "target_evaluations": 10},
 }
 
 
@@ -42,21 +43,26 @@ def test_two_rounds_grow_the_dataset_and_report_per_round(run):
     d, res = run
     state = json.loads((d / "expert_iteration.json").read_text())["finished"]
     assert [(r, p) for r, p, *_ in state if p != "logged"] == [
-        (0, "distill"), (0, "ppo"), (0, "evaluate"), (1, "search"), (1, "distill"), (1, "ppo"), (1, "evaluate")]
+        (0, "search"), (0, "distill"), (0, "ppo"), (0, "evaluate"), (1, "search"), (1, "distill"), (1, "ppo"),
+        (1, "evaluate")]
     ds = Dataset.open(d / "dataset")
     best = ds.best()
     assert {r["split"] for r in best.values()} == {"train", "holdout"}
     assert sorted(r["family"] for r in best.values() if r["split"] == "holdout") == ["tiny-bert", "tiny-bert"]
     assert all(r["family"] in ("tiny-gpt", "tiny-mlp") for r in best.values() if r["split"] == "train")
     assert all(r["value"] <= r["heuristic_value"] or r["oom"] < r["heuristic_oom"] for r in best.values())
-    later = [r for r in ds.rows if r["round"] == 1]  # rows the policy-seeded search added beat the earlier ones
-    for r in later:
-        first = next(x for x in ds.rows if x["task_id"] == r["task_id"] and x["round"] == 0)
-        assert (r["oom"], r["value"]) < (first["oom"], first["value"])
+    for r in ds.rows:  # rows the target searches added beat the ones before them
+        earlier = [x for x in ds.rows[:ds.rows.index(r)] if x["task_id"] == r["task_id"]]
+        assert all((r["oom"], r["value"]) < (x["oom"], x["value"]) for x in earlier)
+    targets = [json.loads(x) for x in (d / "targets.jsonl").read_text().splitlines()]
+    assert {t["task_id"] for t in targets} == {r["task_id"] for r in best.values() if r["split"] == "train"}
+    assert all(t["source"] for t in targets)
     assert [x["round"] for x in res.imitation["rounds"]] == [0, 1]
     report = res.imitation["rounds"][-1]
     assert report["zero_shot_n"] == 2 and np.isfinite(report["zero_shot_geomean"]) and report["zero_shot_geomean"] > 0
     assert 0 <= report["agreement"] <= 1 and np.isfinite(report["distill_loss"])
+    assert report["replay_fidelity"] == pytest.approx(1.0)  # the targets are plans the environment expresses
+    assert 0 < report["targets_vs_best"] <= 1.0 + 1e-9
     assert res.model_path.exists() and (d / "checkpoints" / "round_1_ppo.zip").exists()
 
 
@@ -67,7 +73,8 @@ def test_tensorboard_has_the_round_metrics(run):
     acc = EventAccumulator(str(d / "tb" / "expert_iteration"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for t in ("dataset_rows", "distill_loss", "agreement", "zero_shot_geomean", "zero_shot_min", "train_geomean"):
+    for t in ("dataset_rows", "targets_vs_best", "distill_loss", "agreement", "replay_fidelity", "zero_shot_geomean",
+              "zero_shot_min", "train_geomean"):
         assert f"expert_iteration/{t}" in tags, t
     assert [e.step for e in acc.Scalars("expert_iteration/zero_shot_geomean")] == [0, 1]
 
@@ -107,3 +114,14 @@ def test_bad_configs_are_one_line_errors(patch, match):
     with pytest.raises(TrainError, match=match) as exc:
         load_config(cfg)
     assert "\n" not in str(exc.value)
+
+
+def test_cli_refuses_an_unreachable_ray_cluster_and_writes_nothing(cli, tmp_path):
+    import yaml
+
+    cfg = tmp_path / "ei.yaml"
+    cfg.write_text(yaml.safe_dump(CONFIG))
+    code, _out, err = cli("train", "--config", str(cfg), "--run-dir", str(tmp_path / "run"), "--ray-address",
+                          "127.0.0.1:1", "--no-progress")
+    assert code == 2 and "Ray" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

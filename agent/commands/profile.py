@@ -28,8 +28,9 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
 def profile(
     model: str = typer.Option(..., "--model", "-m", help=(
         "zoo spec (e.g. gpt:layers=24,hidden=2048,heads=16,seq=2048,batch=8; families: mlp, resnet, "
-        "inception, gnmt, gpt, bert, moe, unet) or path/to/file.py:build_fn. A file spec EXECUTES that "
-        "file: build_fn() runs under torch.device('meta') and returns (module, example_inputs) or a "
+        "inception, gnmt, gpt, bert, moe, unet, vit, llama, t5, dlrm, twotower, convnext, diffusion), "
+        "hf:NAME[:key=value,...], or path/to/file.py:build_fn[:knob=value,...]. A file spec EXECUTES that "
+        "file: build_fn(**knobs) runs under torch.device('meta') and returns (module, example_inputs) or a "
         "module (then give --input-shape).")),
     input_shape: str | None = typer.Option(None, "--input-shape", help="example input shape for a file "
                                            "spec, e.g. 8,3,224,224 (a float tensor)"),

@@ -17,14 +17,26 @@ def train_cmd(
     init: str = typer.Option(None, "--init", help="start from this policy's weights (e.g. the shipped "
                                                   "agent/pretrained/placement_policy.zip); its network must "
                                                   "have the config's shapes"),
+    max_minutes: float = typer.Option(None, "--max-minutes", min=0.01, max=10_000_000.0,
+                                      help="stop training after this much wall clock (PPO stops at the next "
+                                           "step; expert iteration starts no new round)"),
+    ray: bool = typer.Option(False, "--ray", help="expert iteration: run the searches on a local Ray instance"),
+    ray_address: str = typer.Option(None, "--ray-address", help="expert iteration: run the searches on the Ray "
+                                                                 "cluster at HOST:PORT"),
 ) -> None:
     """Train a graph-neural MaskablePPO placement policy; logs to TensorBoard under the run directory.
     Ctrl-C saves a resumable checkpoint and says how to resume (exit code 130)."""
-    from agent.train import TrainingInterrupted, train
+    import time
 
+    from agent.scale import Executor
+    from agent.train import TrainingInterrupted, load_config, train
+
+    cfg = load_config(config)  # a bad config is one line before Ray starts
+    deadline = None if max_minutes is None else time.perf_counter() + 60.0 * max_minutes
     try:
-        res = train(config, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
-                    log=typer.echo, init_weights=init)
+        with Executor.from_flags(ray, ray_address) as ex:
+            res = train(cfg, run_dir=run_dir, total_steps=total_steps, resume=resume, progress=progress,
+                        log=typer.echo, init_weights=init, deadline=deadline, executor=ex)
     except TrainingInterrupted as exc:  # one line: where the checkpoint is and how to resume
         typer.echo(str(exc), err=True)
         raise SystemExit(EXIT_INTERRUPTED) from None

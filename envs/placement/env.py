@@ -4,7 +4,8 @@
 larger than ``max_nodes`` are coarsened to at most ``max_nodes`` groups (``envs.coarsen``); the agent
 places groups and ``info["plan"]`` is the plan on the task's operators. The episode decides:
 
-1. the number of microbatches (action i -> ``microbatch_choices[i]``; only divisors of the batch allowed),
+1. the number of microbatches (action i -> the divisor of the batch nearest to ``microbatch_choices[i]``,
+   ``envs.placement.task_setup.microbatch_counts``; choices standing for the same count are hidden),
 2. the pipeline schedule (0 = GPipe, 1 = 1F1B),
 3. for each node in a fixed order, an *action* = a placement (device group, layout, dp, tp) from the
    task's placement table times a modifier (ZeRO stage, recomputation none / selective / full, expert
@@ -123,7 +124,7 @@ class PlacementEnv(gym.Env):
                  max_nodes: int = 64, max_devices: int = 8, max_edges: int | None = None,
                  max_options: int | None = None, mode: str = "place", objective: str = "step_time",
                  evaluator: PlanEvaluator | None = None, coarsen: bool = True, coarsen_method: str = "auto",
-                 order: str = "topological", microbatch_choices: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                 order: str = "topological", microbatch_choices: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
                  refine_passes: int = 1, refine_init: str = "best", eval_graph: str = "fine",
                  seed: int | None = None, task_cache_size: int = 64):
         super().__init__()
@@ -345,7 +346,7 @@ class PlacementEnv(gym.Env):
     def _act_scale(self) -> float:
         """Activations of one traced batch -> stashed on a device: the microbatch's share of the batch times
         the microbatches in flight (all under GPipe; at most one per device under 1F1B)."""
-        m = self.microbatch_choices[self._mb_idx] if self._mb_idx >= 0 else 1
+        m = int(self._p.mb_counts[self._mb_idx]) if self._mb_idx >= 0 else 1
         in_flight = m if self._sched == SCHEDULES.index("gpipe") else min(m, self._nd)
         return self._batch_scale / m * in_flight
 
@@ -502,7 +503,7 @@ class PlacementEnv(gym.Env):
     # ------------------------------------------------------------------ plans and outputs
     def _plan_for(self, assign: np.ndarray, globals_: tuple[int, int, int]) -> Plan:
         mb, sched, vs = globals_
-        return self._p.plan(assign, self.microbatch_choices[max(mb, 0)], SCHEDULES[sched if sched >= 0 else 1],
+        return self._p.plan(assign, int(self._p.mb_counts[max(mb, 0)]), SCHEDULES[sched if sched >= 0 else 1],
                             VIRTUAL_STAGE_CHOICES[max(vs, 0)], self._placer)
 
     def _current_plan(self) -> Plan:

@@ -110,7 +110,7 @@ class OptionTable:
     def build(cls, topology: Topology, dtype: str = "bf16") -> OptionTable:
         nd = topology.num_devices
         rows: list[tuple[tuple[int, ...], int, int]] = [((d,), LAYOUTS.index("single"), 1) for d in range(nd)]
-        for g in topology.hierarchy_groups():
+        for g in device_groups(topology):
             g = tuple(int(d) for d in g)
             n = len(g)
             per_host = min(len(v) for v in topology.hosts_of(g).values())
@@ -153,6 +153,33 @@ class OptionTable:
         """(group, layout name, dp) -> placement id."""
         return {(g, LAYOUTS[int(lay)], int(dp)): o for o, (g, lay, dp) in enumerate(zip(self.groups, self.layout,
                                                                                           self.dp))}
+
+
+def device_groups(topology: Topology) -> list[tuple[int, ...]]:
+    """The multi-device groups of the placement table: ``topology.hierarchy_groups()`` (each host's
+    devices in powers of two, hosts, all) and the same hierarchy over each device kind alone (a host's
+    GPUs without its CPU, all the GPUs of the cluster), without repeats."""
+    groups = list(topology.hierarchy_groups())
+    seen = set(groups)
+    kinds: dict[str, list[int]] = {}
+    for d, dev in enumerate(topology.devices):
+        kinds.setdefault(dev.kind, []).append(d)
+    if len(kinds) > 1:
+        for members in kinds.values():
+            hosts = topology.hosts_of(members)
+            host_list = list(hosts.values())
+            cands = [tuple(h) for h in host_list if len(h) > 1]
+            size = 2
+            while size <= len(host_list):
+                cands += [tuple(d for h in host_list[s:s + size] for d in h)
+                          for s in range(0, len(host_list) - size + 1, size)]
+                size *= 2
+            cands.append(tuple(members))
+            for g in cands:
+                if len(g) > 1 and g not in seen:
+                    groups.append(g)
+                    seen.add(g)
+    return groups
 
 
 def tensor_degrees(n: int, per_host: int) -> list[int]:

@@ -89,7 +89,8 @@ class PreparedTask:
     order: np.ndarray
     allowed: np.ndarray  # [n, P] layout allowed
     mb_ok: np.ndarray  # [choices, P] dp divides the microbatch
-    mb_valid: np.ndarray  # [choices] divides the batch
+    mb_valid: np.ndarray  # [choices] stands for a count no earlier choice stands for
+    mb_counts: np.ndarray  # [choices] the microbatch count (a divisor of the batch) each choice stands for
     need: np.ndarray  # [n] model-state bytes of the node's class (or the node)
     states: np.ndarray  # [n] model-state bytes of the node itself
     class_of: np.ndarray  # [n] dense co-location class, -1 none
@@ -201,7 +202,7 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     ops = operator_facts(task.graph)
     stats = group_stats(task.graph, graph, grouping, ops)
     allowed = options.allowed(caps, stats.seq_ok)
-    mb_valid, mb_ok = microbatch_masks(task.global_batch, settings.microbatch_choices, options, who)
+    mb_counts, mb_valid, mb_ok = microbatch_masks(task.global_batch, settings.microbatch_choices, options, who)
     states, need = model_states(graph, members, settings.objective)
     capacity = np.array([d.memory_bytes for d in topo.devices], dtype=np.float64)
     check_memory(graph, states, need, capacity, allowed, options, who)
@@ -215,7 +216,7 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     dev_f = options.devices.astype(np.float64)
     sizes = dev_f.sum(axis=1, keepdims=True)
     return PreparedTask(task=task, graph=graph, grouping=grouping, options=options, order=order, allowed=allowed,
-                        mb_ok=mb_ok, mb_valid=mb_valid, need=need, states=states, class_of=class_of,
+                        mb_ok=mb_ok, mb_valid=mb_valid, mb_counts=mb_counts, need=need, states=states, class_of=class_of,
                         class_members=members, capacity=capacity, speed=speed, time_single=time_single,
                         preds=preds, in_bytes=in_bytes, static=static, dtype=dtype, dev_frac=dev_f / sizes,
                         dev_f=dev_f, dev_inf=np.where(options.devices, 0.0, np.inf), stats=stats,
@@ -308,15 +309,30 @@ def group_stats(fine: OpGraph, graph: OpGraph, grouping, ops: dict) -> GroupStat
                       expert_count=count, seq_ok=seq_ok, act_bytes=gsum(act), in_bytes=in_bytes)
 
 
+def microbatch_counts(batch: int, choices: tuple[int, ...]) -> np.ndarray:
+    """The microbatch count each choice stands for: the divisor of ``batch`` nearest to it on a log scale
+    (the smaller on a tie), 0 where an earlier choice already stands for that count — so a choice of 128
+    on a batch of 488 is 122 microbatches of 4, and the choices adapt to any batch."""
+    divisors = np.array([d for d in range(1, batch + 1) if batch % d == 0], dtype=np.float64)
+    out, seen = [], set()
+    for m in choices:
+        d = int(divisors[int(np.argmin(np.abs(np.log(divisors) - np.log(m))))])
+        out.append(0 if d in seen else d)
+        seen.add(d)
+    return np.array(out, dtype=np.int64)
+
+
 def microbatch_masks(batch: int, choices: tuple[int, ...], options: OptionTable,
-                     who: str) -> tuple[np.ndarray, np.ndarray]:
-    """(which microbatch choices divide the batch, [choice, placement]: its dp divides the microbatch)."""
-    mb_valid = np.array([batch % m == 0 for m in choices])
-    if not mb_valid.any():
-        raise EnvError(f"{who}: no microbatch choice in {choices} divides the batch {batch}")
-    mb_ok = np.array([((batch // m) % options.dp == 0) if ok else np.zeros(options.size, dtype=bool)
-                      for m, ok in zip(choices, mb_valid)])
-    return mb_valid, mb_ok
+                     who: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the count each microbatch choice stands for, which choices are distinct counts, [choice,
+    placement]: its dp divides the microbatch)."""
+    counts = microbatch_counts(batch, choices)
+    mb_valid = counts > 0
+    if not mb_valid.any():  # pragma: no cover - the first choice always stands for a divisor
+        raise EnvError(f"{who}: no microbatch choice in {choices} fits the batch {batch}")
+    mb_ok = np.array([((batch // m) % options.dp == 0) if m else np.zeros(options.size, dtype=bool)
+                      for m in counts.tolist()])
+    return counts, mb_valid, mb_ok
 
 
 def model_states(graph: OpGraph, members: list[np.ndarray], objective: str) -> tuple[np.ndarray, np.ndarray]:
@@ -482,7 +498,7 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
             assign[mem] = assign[mem[0]]
         if not prep.mb_ok[mb_idx, assign // N_MODIFIERS].all():
             continue
-        res = scoring.evaluate(prep, prep.plan(assign, microbatch_choices[mb_idx], "1f1b", 1, placer))
+        res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
         r = plan_reward(res, ref["time"])
         if best is None or r > best.reward:
             best = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
