@@ -70,6 +70,7 @@ class EnvSection(Section):
     refine_passes: PositiveInt = 1
     refine_init: Literal[REFINE_INITS] = "best"  # type: ignore[valid-type]
     eval_graph: Literal["coarse", "fine"] = "fine"
+    evaluate_steps: bool = True
     task_cache_size: PositiveInt = 64
 
 

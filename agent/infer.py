@@ -436,8 +436,10 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     model = model if model is not None else load_policy(policy)
     task = Task(graph, topology)
     policy_ev = CachedSimulation(cache_size=4096)  # the rollouts' simulations, counted apart
+    # greedy only: a refine episode simulates its final plan alone (the fast path for large graphs)
+    fast = {"evaluate_steps": False} if samples == 0 else None
     with _timed(secs, "env"):
-        env, fits, factory = policy_env(model, task, objective, max_groups, policy_ev)
+        env, fits, factory = policy_env(model, task, objective, max_groups, policy_ev, episode=fast)
     with _timed(secs, "policy"):
         cands = policy_candidates(model, env, task, graph, objective, samples, seed, ev, env_factory=factory)
     if finetune_steps > 0 and not fits:

@@ -200,7 +200,8 @@ def test_refine_mode_reports_the_best_plan_it_visited(small_tasks):
     rng = np.random.default_rng(1)
     for _ in range(3):
         obs, _ = env.reset()
-        seen, done = [], False
+        start = env.prepared.start.result
+        seen, done = [(bool(start.oom), float(start.value))], False  # the start counts as visited
         while not done:
             obs, _, done, _, info = env.step(int(rng.choice(np.flatnonzero(env.action_masks()))))
             seen.append((info["oom"], info["step_time"]))
@@ -581,3 +582,25 @@ def test_kind_groups_are_placements_beside_the_hierarchy():
     for members in by_kind.values():
         if len(members) > 1:
             assert (tuple(members), "batch_split", len(members)) in look
+
+
+def test_refine_without_step_evaluation_simulates_the_final_plan_only(small_tasks):
+    """evaluate_steps=False (fast inference): the same actions give the same final plan and score, with
+    one simulation for the episode's steps instead of one per step."""
+    runs = {}
+    for flag in (True, False):
+        ev = CachedSimulation()
+        env = PlacementEnv(small_tasks[:1], mode="refine", evaluator=ev, evaluate_steps=flag)
+        env.reset(seed=0)
+        before = ev.misses
+        rng = np.random.default_rng(5)
+        total, done = 0.0, False
+        while not done:
+            _, r, done, _, info = env.step(int(rng.choice(np.flatnonzero(env.action_masks()))))
+            total += r
+        runs[flag] = (info, total, ev.misses - before)
+    (slow, t_slow, n_slow), (fast, t_fast, n_fast) = runs[True], runs[False]
+    assert fast["plan"].key() == slow["plan"].key() and np.isclose(fast["score"], slow["score"])
+    assert np.isclose(t_fast, t_slow)  # the rewards telescope either way
+    assert n_fast <= 1 < n_slow
+    assert (fast["best_oom"], fast["best_step_time"]) >= (slow["best_oom"], slow["best_step_time"])  # fewer seen

@@ -54,7 +54,9 @@ the single-device, data-parallel and Megatron tensor x data plans expressible in
 the same order (its co-location class moves with it) and the virtual stages; each step is rewarded with
 the improvement ``plan_reward(new) - plan_reward(prev)`` (``= log(T_prev / T_new)`` while both fit), so
 the return telescopes to ``plan_reward(final) - plan_reward(initial)``. A microbatch count the current
-placements cannot split over is hidden.
+placements cannot split over is hidden. The best plan visited (``info["best_plan"]``) counts the start
+too. With ``evaluate_steps=False`` (fast inference) only the last step's plan is simulated: its reward
+is the whole improvement, and the best plan visited is the better of the start and the final plan.
 
 **Observation**: the flat Dict declared in :mod:`envs.placement.observation` — static per-task arrays
 (node / edge / device / placement / modifier features, pairwise bandwidth and latency, masks) computed
@@ -72,8 +74,8 @@ cached per task object; this module only runs episodes.
 ``oom``, ``plan`` (a :class:`envs.plan.Plan` on operators), ``plan_json`` (its dict) and ``group_plan``
 (the plan projected on the groups); in refine mode every step also carries ``score``, ``step_time`` and
 ``oom`` of the current plan, and the last step ``best_plan``, ``best_step_time``, ``best_oom`` and
-``best_score``: the best plan any step of the episode visited (every one was evaluated), which a search
-keeps even when later steps undo it.
+``best_score``: the best plan the episode visited (the start or any step's; every one was evaluated),
+which a search keeps even when later steps undo it.
 
 **Bad input** (graph above ``max_nodes`` with ``coarsen=False``, a topology with more than
 ``max_devices`` devices, more placements than ``max_options``, more edges than ``max_edges``, no
@@ -126,7 +128,7 @@ class PlacementEnv(gym.Env):
                  evaluator: PlanEvaluator | None = None, coarsen: bool = True, coarsen_method: str = "auto",
                  order: str = "topological", microbatch_choices: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
                  refine_passes: int = 1, refine_init: str = "best", eval_graph: str = "fine",
-                 seed: int | None = None, task_cache_size: int = 64):
+                 evaluate_steps: bool = True, seed: int | None = None, task_cache_size: int = 64):
         super().__init__()
         if mode not in MODES:
             raise EnvError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -160,6 +162,7 @@ class PlacementEnv(gym.Env):
         self.refine_passes = max(1, int(refine_passes))
         self.refine_init = refine_init
         self.eval_graph = eval_graph
+        self.evaluate_steps = bool(evaluate_steps)
         self._settings = Settings(max_nodes=self.max_nodes, max_edges=self.max_edges, max_devices=self.max_devices,
                                   max_options=self.max_options, microbatch_choices=self.microbatch_choices,
                                   objective=objective, coarsen=self.coarsen, coarsen_method=coarsen_method,
@@ -248,7 +251,8 @@ class PlacementEnv(gym.Env):
             for v in range(n):
                 self._put(v, int(start.assign[v]))
             self._reward_now = start.reward
-            self._best_visit = None
+            self._best_visit = ((bool(start.result.oom), float(start.result.value)), start.assign.copy(),
+                                self._globals(), start.result)
         self._write_globals()
         self._prepare_decision()
         return self._obs(), self._info()
@@ -295,7 +299,7 @@ class PlacementEnv(gym.Env):
         done = self._t >= self._horizon
         self._write_globals()
         final = None
-        if self.mode == "refine":
+        if self.mode == "refine" and (self.evaluate_steps or done):
             res = self._scoring.evaluate(p, self._current_plan())
             s = plan_reward(res, self._ref["time"])
             reward = s - self._reward_now
@@ -303,7 +307,7 @@ class PlacementEnv(gym.Env):
             final = (res, s)
             info_extra.update({"score": s, "step_time": float(res.value), "oom": bool(res.oom)})
             key = (bool(res.oom), float(res.value))
-            if self._best_visit is None or key < self._best_visit[0]:
+            if key < self._best_visit[0]:
                 self._best_visit = (key, self._assign.copy(), self._globals(), res)
         elif done:
             res = self._scoring.evaluate(p, self._current_plan())
