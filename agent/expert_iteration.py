@@ -135,14 +135,16 @@ def find_target(job: TargetJob) -> dict:
         pol = min(res.candidates, key=Candidate.key)
         cands.append((pol.key(), pol.plan, f"policy round {job.round}"))
     key, start, source = min(cands, key=lambda c: c[0])
+    curve: list = []
     if job.evaluations > 0:
         found = guided_search(model, task.graph, task.topology, objective, start, seed=job.seed,
                               evaluations=job.evaluations, policy_fraction=1.0, uniform_moves=job.uniform,
                               evaluator=ev)
+        curve = [[int(n), float(v) / key[1]] for n, v in found.curve]  # best / start value over evaluations
         if (found.oom, found.value) < key:
             key, start, source = (found.oom, found.value), found.plan, f"action-space search round {job.round}"
     start, key = simplest(env.prepared, start, key, ev, objective)
-    out: dict = {"target": None, "row": None}
+    out: dict = {"target": None, "row": None, "curve": curve}
     current = (bool(job.target["oom"]), float(job.target["value"])) if job.target is not None else None
     plan_doc = _scrub(start.bind(task.graph).to_dict())
     if current is None or key < current:
@@ -230,7 +232,8 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
     jobs = [TargetJob(row=best[t], target=tbest.get(t), dataset=str(dataset.path), policy=str(policy_path),
                       samples=samples, evaluations=evaluations, uniform=r == 0, seed=seed + i, round=r)
             for i, t in enumerate(todo)]
-    counts = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
+    counts: dict = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
+    curves: list = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
         t = bar.add_task(f"round {r} targets", total=len(jobs))
@@ -248,6 +251,8 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
                 if out["target"] is not None:
                     targets.append(out["target"])
                     counts["new_targets"] += 1
+                if out.get("curve"):
+                    curves.append(out["curve"])
                 with open(done_file, "a") as fh:
                     fh.write(job.row["task_id"] + "\n")
                 next_i += 1
@@ -257,6 +262,7 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
             ex.map(find_target, jobs, on_result=keep)
     log(f"round {r}: {counts['new_targets']} new target(s), {counts['improved_dataset']} dataset improvement(s) "
         f"over {len(task_ids)} task(s)")
+    counts["curves"] = curves[:64]  # the searches' best / start over evaluations (the TensorBoard image)
     return counts
 
 
@@ -485,7 +491,7 @@ def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids:
             "distill_loss": distill.get("last_loss"), "agreement": distill.get("agreement"),
             "replay_fidelity": distill.get("replay_fidelity"), "ppo_beat_target": ppo.get("beat_target"),
             "zero_shot_geomean": ev.get("geomean"), "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
-            "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train")}
+            "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train"), "curves": search.get("curves")}
 
 
 def _writer(run: Path):
@@ -504,7 +510,27 @@ def _log_round(writer, report: dict, model) -> None:
         if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
             writer.add_scalar(f"expert_iteration/{key}", float(v), r)
     writer.add_scalar("expert_iteration/num_timesteps", float(model.num_timesteps), r)
+    if report.get("curves"):
+        writer.add_figure("expert_iteration/search_curves", _curve_figure(report["curves"], r), r)
     writer.flush()
+
+
+def _curve_figure(curves: list, r: int):
+    """The round's searches: best value / start value vs simulator evaluations, one line per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for c in curves:
+        ax.step([max(n, 1) for n, _ in c], [v for _, v in c], where="post", lw=0.8, alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("simulator evaluations")
+    ax.set_ylabel("best / start")
+    ax.set_title(f"round {r}: target searches ({len(curves)} tasks)")
+    fig.tight_layout()
+    return fig
 
 
 __all__ = ["expert_iteration", "IterationResult", "IterationState", "TargetJob", "Targets", "find_target",

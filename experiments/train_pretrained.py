@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluation = next((x[3] for x in reversed(state) if x[1] == "evaluate"), {})
     report = {"config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT)
               else args.config, "seconds": round(time.time() - t0, 1), "num_timesteps": res.num_timesteps,
-              "rounds": rounds, "phases": [{"round": r, "phase": p, **s} for r, p, _c, s in state if p != "logged"
-                                           and p != "evaluate"], "holdout": evaluation.get("holdout", [])}
+              "rounds": [{k: v for k, v in r.items() if k != "curves"} for r in rounds], "phases": [{"round": r, "phase": p, **{k: v for k, v in s.items() if k != "curves"}}
+                                           for r, p, _c, s in state if p not in ("logged", "evaluate")], "holdout": evaluation.get("holdout", [])}
     OUT.mkdir(parents=True, exist_ok=True)
     atomic_write_json(OUT / "report.json", json.loads(json.dumps(report, default=float)), indent=1)
     atomic_write_text(OUT / "report.md", markdown(report))

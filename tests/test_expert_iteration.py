@@ -77,6 +77,7 @@ def test_tensorboard_has_the_round_metrics(run):
               "zero_shot_min", "train_geomean"):
         assert f"expert_iteration/{t}" in tags, t
     assert [e.step for e in acc.Scalars("expert_iteration/zero_shot_geomean")] == [0, 1]
+    assert "expert_iteration/search_curves" in acc.Tags()["images"]  # the searches' learning curves
 
 
 def test_resume_redoes_nothing_finished(run):
