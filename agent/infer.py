@@ -266,14 +266,17 @@ def rollout(model, env, task, *, deterministic: bool, rng: np.random.Generator |
 
 
 def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict[str, np.ndarray]:
-    """Drop the padded node, edge and device slots of one observation (the GNN needs none of them;
-    the option axis keeps its padding so action indices are unchanged), by each key's declared axes
+    """Drop the padded node, edge, device and placement slots of one observation (the GNN needs none of
+    them; padded placements are the last ones, so the action indices of the others are unchanged and the
+    logits simply end earlier), by each key's declared axes
     (:data:`envs.placement.observation.OBSERVATION`). ``dynamic_only``: only the
     :data:`~envs.placement.observation.DYNAMIC_KEYS` (the keys that change during an episode)."""
-    from envs.placement.observation import DYNAMIC_KEYS, OBSERVATION
+    from envs.placement.observation import DYNAMIC_KEYS, GLOBAL_CHOICES, OBSERVATION
+    from envs.placement.options import N_MODIFIERS
 
+    options = max(int(obs["option_mask"].sum()), -(-GLOBAL_CHOICES // N_MODIFIERS))  # room for the global choices
     size = {"nodes": max(int(obs["node_mask"].sum()), 1), "edges": max(int(obs["edge_mask"].sum()), 1),
-            "devices": max(int(obs["device_mask"].sum()), 1)}
+            "devices": max(int(obs["device_mask"].sum()), 1), "options": options, "actions": options * N_MODIFIERS}
     keys = DYNAMIC_KEYS if dynamic_only else obs
     return {k: obs[k][tuple(slice(size.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}
 
@@ -326,7 +329,7 @@ def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Ge
                 if i not in logits:
                     a = int(np.flatnonzero(m)[0])
                 else:
-                    lg = np.where(m, logits[i], -np.inf)
+                    lg = np.where(m[:logits[i].size], logits[i], -np.inf)
                     if deterministic[i]:
                         a = int(np.argmax(lg))
                     else:

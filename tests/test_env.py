@@ -508,8 +508,8 @@ def test_shipped_policy_was_trained_on_this_observation_space():
 
 
 def test_trim_padding_follows_the_declared_axes(small_tasks):
-    """The rollouts drop padded node / edge / device slots (never option slots) and, for the per-step
-    batch, keep exactly the dynamic keys."""
+    """The rollouts drop padded node / edge / device / placement slots and, for the per-step batch, keep
+    exactly the dynamic keys."""
     from agent.infer import trim_padding
 
     env = PlacementEnv(small_tasks[:1], max_nodes=64, max_devices=16)
@@ -519,8 +519,10 @@ def test_trim_padding_follows_the_declared_axes(small_tasks):
     assert set(full) == set(OBSERVATION)
     assert full["node_features"].shape[0] == n and full["node_devices"].shape == (n, d)
     assert full["edge_index"].shape == (2, m) and full["device_bandwidth"].shape == (d, d)
-    assert full["option_devices"].shape == (env.max_options, d)
-    assert full["action_mask"].shape == (env.max_options * N_MODIFIERS,)
+    p = env.prepared.options.size  # padded placements are the last: trimming keeps every action index
+    assert full["option_devices"].shape == (p, d) and full["action_mask"].shape == (p * N_MODIFIERS,)
+    np.testing.assert_array_equal(full["action_mask"], obs["action_mask"][:p * N_MODIFIERS])
+    assert not obs["action_mask"][p * N_MODIFIERS:].any()
     assert tuple(trim_padding(obs, dynamic_only=True)) == DYNAMIC_KEYS
 
 
