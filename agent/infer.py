@@ -11,10 +11,12 @@
    placers; when every one of them fails, the standard plans of ``envs.plan``);
 4. optionally ``search_seconds`` of local search (:func:`search_from_best`: ``agent.placers``' MCMC)
    from the best plan so far;
-5. with a ``budget_seconds`` and/or ``max_evaluations``, the policy-guided search
-   (:func:`agent.guided_search.guided_search`: annealing whose moves the policy proposes) from the best
-   plan so far, for what is left of ``budget_seconds`` after the steps before it (the budget covers the
-   whole call, approximately: the steps before it are not cut short).
+5. with a ``budget_seconds`` and/or ``max_evaluations``, the policy-guided search: a refine-mode policy
+   first revisits the best plan so far itself (greedy + ``samples // 2`` sampled episodes that start from
+   that plan, every step simulated), then :func:`agent.guided_search.guided_search` (annealing whose moves
+   the policy proposes) runs from the best plan for what is left of ``budget_seconds`` (the budget covers
+   the whole call, approximately: the steps before it are not cut short) and ``max_evaluations``.
+   ``PlaceResult.evaluations`` counts the simulations of each part.
 
 Every candidate carries its evaluation on the *operator* graph (a :class:`Candidate`): a placer's plan
 keeps the evaluation its own Scorer made (``agent.placers.common.finished_evaluation``), a policy plan
@@ -281,12 +283,14 @@ def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict
     return {k: obs[k][tuple(slice(size.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}
 
 
-def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.Generator | None = None) -> list[dict]:
+def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.Generator | None = None,
+             start: Plan | None = None) -> list[dict]:
     """Episodes of ``task`` in several environments in lockstep (one batched forward per step).
 
     The GNN's static part (graph and device encoders) runs once for the task; each step only runs the
     dynamic part on the stacked dynamic arrays. ``deterministic[i]`` says whether env ``i`` takes the
-    argmax or samples from the masked softmax; returns each episode's final info."""
+    argmax or samples from the masked softmax; returns each episode's final info. ``start``: refine-mode
+    episodes start from this plan (``PlacementEnv.reset``'s ``start`` option) instead of the template."""
     import torch as th
 
     fe = model.policy.features_extractor
@@ -294,17 +298,19 @@ def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.
     threads = th.get_num_threads()
     th.set_num_threads(1)  # the same float sums in every process, so greedy plans do not depend on threads
     try:
-        return _rollouts(fe, envs, task, deterministic, rng)
+        return _rollouts(fe, envs, task, deterministic, rng, start)
     finally:
         th.set_num_threads(threads)
 
 
-def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Generator) -> list[dict]:
+def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Generator,
+              start: Plan | None = None) -> list[dict]:
     import torch as th
 
     from envs.placement.observation import STATIC_KEYS
 
-    obs = [e.reset(options={"task": task})[0] for e in envs]
+    options = {"task": task} if start is None else {"task": task, "start": start}
+    obs = [e.reset(options=options)[0] for e in envs]
     done = [False] * len(envs)
     infos: list[dict] = [{} for _ in envs]
     first = trim_padding(obs[0])  # same task in every env: the same static arrays and sizes
@@ -372,16 +378,18 @@ def policy_env(model, task, objective: str, max_groups: int | None, evaluator=No
 
 
 def policy_candidates(model, env, task, graph: OpGraph, objective: str, samples: int, seed: int,
-                      evaluator: CachedSimulation, label: str = "policy", env_factory=None) -> list[Candidate]:
-    """The greedy rollout and ``samples`` sampled ones (run in lockstep), scored on ``graph``."""
+                      evaluator: CachedSimulation, label: str = "policy", env_factory=None,
+                      start: Plan | None = None) -> list[Candidate]:
+    """The greedy rollout and ``samples`` sampled ones (run in lockstep), scored on ``graph``; refine-mode
+    episodes from ``start`` if given."""
     rng = np.random.default_rng(seed)
     envs = [env] + [env_factory() for _ in range(samples)] if env_factory is not None and samples else [env]
     flags = [i == 0 for i in range(samples + 1)]
     t = time.perf_counter()
     if len(envs) == len(flags):
-        infos = rollouts(model, envs, task, flags, rng)
+        infos = rollouts(model, envs, task, flags, rng, start=start)
     else:
-        infos = [rollouts(model, [env], task, [f], rng)[0] for f in flags]
+        infos = [rollouts(model, [env], task, [f], rng, start=start)[0] for f in flags]
     per = (time.perf_counter() - t) / len(flags)
     out = []
     for i, info in enumerate(infos):
@@ -462,6 +470,11 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
             cands += search_from_best(cands, graph, topology, objective, search_seconds, seed, ev)
     found = None
     if _guided_requested(budget_seconds, max_evaluations):
+        if env.mode == "refine" and samples > 0:  # the policy's own moves from the best plan so far first
+            best = min(cands, key=Candidate.key)
+            with _timed(secs, "policy_refinement"):
+                cands += policy_candidates(model, env, task, graph, objective, max(1, samples // 2), seed + 7, ev,
+                                           label=f"policy from {best.name}", env_factory=factory, start=best.plan)
         left = None if budget_seconds is None else budget_seconds - (time.perf_counter() - t_start)
         if left is not None and left < MIN_SEARCH_SECONDS:
             say(f"guided search skipped: {budget_seconds:g} s of budget were spent before it")

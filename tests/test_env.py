@@ -606,3 +606,23 @@ def test_refine_without_step_evaluation_simulates_the_final_plan_only(small_task
     assert np.isclose(t_fast, t_slow)  # the rewards telescope either way
     assert n_fast <= 1 < n_slow
     assert (fast["best_oom"], fast["best_step_time"]) >= (slow["best_oom"], slow["best_step_time"])  # fewer seen
+
+
+def test_refine_episode_from_a_given_plan(small_tasks):
+    """reset(options={"start": plan}) starts a refine episode from that plan as the action table
+    expresses it: a data-parallel plan the table expresses is the start exactly."""
+    from envs.plan import data_parallel_plan
+
+    task = small_tasks[0]
+    env = PlacementEnv([task], mode="refine")
+    plan = data_parallel_plan(task.graph, task.topology, global_batch=task.global_batch)
+    env.reset(options={"task": task, "start": plan})
+    res = CachedSimulation().evaluate(task.graph, task.topology, plan)
+    assert np.isclose(env.current_plan_reward, plan_reward(res, env.reference()["time"]))
+    start_plan = env._current_plan()
+    assert start_plan.groups == plan.groups and start_plan.layouts == plan.layouts
+    done = False
+    while not done:
+        _, _, done, _, info = env.step(int(env.assignment[env.node]) if env.node is not None
+                                       else int(np.flatnonzero(env.action_masks())[0]))
+    assert info["best_step_time"] <= CachedSimulation().evaluate(task.graph, task.topology, plan).value + 1e-12

@@ -67,7 +67,9 @@ fresh copies.
 Per-task work (everything that does not change during an episode) is :mod:`envs.placement.task_setup`'s,
 cached per task object; this module only runs episodes.
 
-``reset(options={"task": task})`` places a given task instead of drawing one (e.g. for evaluation).
+``reset(options={"task": task})`` places a given task instead of drawing one (e.g. for evaluation); in
+refine mode ``options={"start": plan}`` starts the episode from that plan as the action table expresses
+it (e.g. a heuristic's plan, for a policy-guided improvement of it).
 
 **info**: ``task_id``, ``phase``, ``num_groups`` on every step; at the end also ``step_time``,
 ``ref_time``, ``ref_plan``, ``score`` (the plan's reward), ``peak_memory`` (per device), ``memory_capacity``,
@@ -105,7 +107,16 @@ from envs.placement.observation import (
 )
 from envs.placement.options import COMM_FACTOR, EXPERT_ROWS, N_MODIFIERS, ORDERS, ZERO_ROWS, option_bound
 from envs.placement.reward import plan_reward
-from envs.placement.task_setup import PreparedTask, Scoring, Settings, prepare_task, reference, refine_start
+from envs.placement.task_setup import (
+    PreparedTask,
+    RefineStart,
+    Scoring,
+    Settings,
+    express,
+    prepare_task,
+    reference,
+    refine_start,
+)
 from envs.plan import LAYOUTS, SCHEDULES, Plan
 from envs.sim import OBJECTIVES
 from envs.tasks import Task, default_tasks
@@ -246,8 +257,9 @@ class PlacementEnv(gym.Env):
         if self.mode == "place":
             self._mb_idx, self._sched, self._vs = -1, -1, -1
         else:
-            start = refine_start(p, self._scoring, self.refine_init, self.microbatch_choices, self._placer)
-            self._mb_idx, self._sched, self._vs = start.mb_idx, SCHEDULES.index("1f1b"), 0
+            start = (refine_start(p, self._scoring, self.refine_init, self.microbatch_choices, self._placer)
+                     if options.get("start") is None else self._given_start(options["start"]))
+            self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, 0
             for v in range(n):
                 self._put(v, int(start.assign[v]))
             self._reward_now = start.reward
@@ -256,6 +268,24 @@ class PlacementEnv(gym.Env):
         self._write_globals()
         self._prepare_decision()
         return self._obs(), self._info()
+
+    def _given_start(self, plan: Plan) -> RefineStart:
+        """Refine mode, ``reset(options={"start": plan})``: the episode starts from ``plan`` (on the task's
+        operators or on the groups) as the action table expresses it (``task_setup.express``), with the
+        valid microbatch count nearest to the plan's that its placements can split and the plan's schedule."""
+        p = self._p
+        assign = express(p, plan)
+        for mem in p.class_members:
+            assign[mem] = assign[mem[0]]
+        ok = p.mb_valid & p.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
+        if not ok.any():
+            ok = p.mb_valid & (p.mb_counts == 1)
+        dist = np.where(ok, np.abs(np.log(np.maximum(p.mb_counts, 1)) - np.log(max(plan.microbatches, 1))), np.inf)
+        mb_idx = int(np.argmin(dist))
+        sched = SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else SCHEDULES.index("1f1b")
+        res = self._scoring.evaluate(p, p.plan(assign, int(p.mb_counts[mb_idx]), SCHEDULES[sched], 1, self._placer))
+        return RefineStart(name="given", assign=assign, reward=plan_reward(res, self._ref["time"]), mb_idx=mb_idx,
+                           result=res, schedule=sched)
 
     def step(self, action):
         if self._p is None:

@@ -76,6 +76,7 @@ class RefineStart:
     reward: float
     mb_idx: int  # index into the microbatch choices (the first one the batch allows)
     result: EvalResult
+    schedule: int = 1  # index into SCHEDULES (1F1B)
 
 
 @dataclass(eq=False)
