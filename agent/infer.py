@@ -48,6 +48,9 @@ from envs.topology import Topology
 
 PRETRAINED_DIR = Path(__file__).with_name("pretrained")
 PRETRAINED = PRETRAINED_DIR / "placement_policy.zip"
+# the whole call's default budget: a 500-group graph (greedy + 8 samples ~2 s, baselines ~1 s) then gets
+# ~17 s of guided search and finishes in about 20 s on 2 cores
+DEFAULT_BUDGET_SECONDS = 20.0
 
 
 class PlaceError(RlplaceError):

@@ -38,13 +38,13 @@ TINY = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The untrained model's greedy scores, then a 1024-step run (same seed) in a temp run dir."""
+    """The untrained model's sampled scores, then a 1024-step run (same seed) in a temp run dir."""
     cfg = load_config(dict(TINY))
     tasks = build_tasks(cfg.raw["tasks"])
     venv = make_vec_env(tasks, cfg.env, 1, cfg.seed)
     untrained = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", policy_kwargs=cfg.policy,
                             **cfg.ppo)
-    before = greedy_scores(untrained, tasks, cfg.env)
+    before = sampled_scores(untrained, tasks, cfg.env)
     venv.close()
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
     res = train(cfg, run_dir=run_dir, progress=False, log=None)
@@ -216,11 +216,35 @@ def test_self_imitation_makes_the_greedy_policy_reproduce_the_best_plan(tmp_path
             load_config({**TINY, "self_imitation": bad})
 
 
-def test_training_improves_greedy_reward(run):
-    """Greedy-plan reward on the training tasks: after a short run > the untrained policy (same seed)."""
+def sampled_scores(model, tasks, kwargs: dict, n: int = 16) -> np.ndarray:
+    """Per task, the mean final score of ``n`` episodes sampled from the policy (seeded): the expected
+    reward PPO maximises."""
+    import torch as th
+
+    from envs.placement.env import PlacementEnv
+
+    th.manual_seed(0)
+    env = PlacementEnv(list(tasks), **kwargs)
+    out = []
+    for task in tasks:
+        scores = []
+        for _ in range(n):
+            obs, _ = env.reset(options={"task": task})
+            done, info = False, {}
+            while not done:
+                a, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=False)
+                obs, _, done, _, info = env.step(int(a))
+            scores.append(float(info["score"]))
+        out.append(np.mean(scores))
+    return np.array(out)
+
+
+def test_training_improves_expected_reward(run):
+    """The sampled policy's mean reward on the training tasks (what PPO maximises): after a short run >
+    the untrained policy's (same seed). Measured over seeds 0-2: +0.14 to +0.19."""
     res = run["res"]
     assert res.num_timesteps >= 1024
-    after = greedy_scores(MaskablePPO.load(res.model_path, device="cpu"), run["tasks"], run["cfg"].env)
+    after = sampled_scores(MaskablePPO.load(res.model_path, device="cpu"), run["tasks"], run["cfg"].env)
     assert after.mean() > run["before"].mean() + 0.05, (run["before"], after)
     # best plans were written per task, with an index
     plans = run["run_dir"] / "plans"

@@ -148,7 +148,7 @@ def test_good_configs_and_yaml_leniency(tmp_path):
     cfg = load_config(write(tmp_path, text + "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, learning_rate: 3e-4}\n"))
     assert cfg.ppo["learning_rate"] == 3e-4 and cfg.ppo["gamma"] == 1.0 and cfg.ppo["clip_range"] == 0.2
     assert cfg.self_imitation == {"every": 4, "epochs": 5, "batch_size": 128, "learning_rate": 3e-3}
-    assert cfg.imitation == {"epochs": 20, "batch_size": 128}
+    assert cfg.imitation == {"epochs": 20, "batch_size": 128, "learning_rate": 3e-3}
     assert cfg.callbacks == {"eval_freq": 64, "checkpoint_freq": 64, "baselines": False, "n_eval_episodes": None}
     assert cfg.env == {"max_nodes": 8, "max_devices": 4, "objective": "step_time", "order": "topological"}
     assert (cfg.n_envs, cfg.seed, cfg.total_timesteps, cfg.name) == (1, 0, 128, "faults")

@@ -7,12 +7,10 @@ import math
 import typer
 from rich.console import Console
 
+from agent.infer import DEFAULT_BUDGET_SECONDS
 from agent.report import format_time, print_comparison, winner_timeline
 
 MAX_SEARCH_SECONDS = 86_400.0  # a day of local search is the most `--search-seconds` takes
-# the whole call's default budget: a 500-group graph (greedy + 8 samples ~2 s, baselines ~1 s) then gets
-# ~17 s of guided search and finishes in about 20 s on 2 cores
-DEFAULT_BUDGET_SECONDS = 20.0
 
 
 def place_cmd(

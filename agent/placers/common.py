@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,7 +98,8 @@ class Scorer:
     """Evaluates plans with the simulator (through a caching evaluator), counts evaluations and keeps
     time, so placers can honour a :class:`Budget`."""
 
-    def __init__(self, graph: OpGraph, topology: Topology, objective: str, budget: Budget):
+    def __init__(self, graph: OpGraph, topology: Topology, objective: str, budget: Budget,
+                 on_improve: Callable[[int, float], None] | None = None):
         if objective not in OBJECTIVES:
             raise PlacerError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
         self.graph, self.topology, self.objective, self.budget = graph, topology, objective, budget
@@ -106,6 +107,7 @@ class Scorer:
         self.evaluations = 0
         self.t0 = time.perf_counter()
         self.best: tuple[Outcome, Plan] | None = None
+        self.on_improve = on_improve  # called (evaluations so far, value) whenever the best plan improves
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -131,6 +133,8 @@ class Scorer:
                       float(res.peak_memory.max()) if res.peak_memory.size else 0.0, res)
         if self.best is None or out.key() < self.best[0].key():
             self.best = (out, plan)
+            if self.on_improve is not None:
+                self.on_improve(self.evaluations, out.value)
         return out
 
 

@@ -28,6 +28,7 @@ wall-clock budget they follow the same trajectory and stop wherever the clock do
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -323,11 +324,12 @@ def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) 
 
 
 def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, objective: str = "step_time",
-         start: Plan | None = None) -> Plan:
+         start: Plan | None = None, on_improve: Callable[[int, float], None] | None = None) -> Plan:
     """Simulated annealing / MCMC over plans (see module docstring) under ``budget`` (default 600
-    evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``)."""
+    evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``); ``on_improve``
+    hears (evaluations so far, best value) at every improvement: the search curve."""
     init = start if start is not None else initial_plan(graph, topology, objective, seed)
-    scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET))
+    scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET), on_improve=on_improve)
     space = PlanSpace(graph, topology)
     rng = np.random.default_rng(seed)
     cur = init.copy(provenance={})
