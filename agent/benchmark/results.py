@@ -141,7 +141,8 @@ def geomean(xs: list[float]) -> float:
 def agent_summary(rows: list[Row], column: str) -> dict | None:
     """How ``column`` (``policy``, ``policy+search``) did against the best baseline over the cases where
     both ran: ``wins``, ``ties``, ``losses``, ``cases``, ``oom`` (its plans out of memory), ``errors``,
-    ``geomean`` (of its time over the best baseline's, plans that ran). None without such rows."""
+    ``geomean`` (of its time over the best baseline's, over the ``fitting`` cases: its plan fits memory,
+    or neither fits; a plan that does not fit is no speed-up). None without such rows."""
     cases = list(dict.fromkeys(r.case for r in rows))
     out = {"wins": 0, "ties": 0, "losses": 0, "cases": 0, "oom": 0, "errors": 0}
     ratios = []
@@ -160,8 +161,10 @@ def agent_summary(rows: list[Row], column: str) -> dict | None:
             continue
         out["oom"] += int(mine.oom)
         out[("wins", "ties", "losses")[versus(mine, base) + 1]] += 1
-        ratios.append(mine.predicted / base.predicted)
+        if not mine.oom or base.oom:
+            ratios.append(mine.predicted / base.predicted)
     out["geomean"] = geomean(ratios)
+    out["fitting"] = len(ratios)
     return out if seen else None
 
 
@@ -176,8 +179,13 @@ def _agent_lines(rows: list[Row], agent: AgentSettings | None) -> list[str]:
             extra.append(f"{s['oom']} out of memory")
         if s["errors"]:
             extra.append(f"{s['errors']} error{'s' if s['errors'] != 1 else ''}")
+        if s["fitting"] == 0:
+            mean = "none of its plans fits memory where a baseline's does"
+        else:
+            over = "" if s["fitting"] == s["cases"] else f" over the {s['fitting']} cases where its plan fits"
+            mean = f"geometric mean {col} / best baseline **{_fmt_r(s['geomean'])}**{over}"
         lines.append(f"- `{col}` beats the best baseline in **{s['wins']} of {s['cases']}** cases "
-                     f"({', '.join(extra)}); geometric mean {col} / best baseline **{_fmt_r(s['geomean'])}**.")
+                     f"({', '.join(extra)}); {mean}.")
     if not lines:
         return []
     head = "**Agent**"
@@ -272,6 +280,7 @@ def _plot(rows: list[Row], path: Path) -> None:
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     cases = list(dict.fromkeys(r.case for r in rows))
     placers = list(dict.fromkeys(r.placer for r in rows))
@@ -285,32 +294,34 @@ def _plot(rows: list[Row], path: Path) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(6 + 0.8 * len(placers), 1.5 + 0.45 * len(cases)),
                                   gridspec_kw={"width_ratios": [len(placers), 3]})
     im = ax.imshow(np.log2(np.clip(M, 1, 64)), cmap="viridis_r", aspect="auto", vmin=0, vmax=3)
-    better = np.where(np.isfinite(M) & (M < 1 - TIE), 1.0, np.nan)  # agent cells below the best baseline
-    ax.imshow(better, cmap="autumn", aspect="auto", vmin=0, vmax=1, alpha=0.6)
+    best = {c: best_baseline([by[(c, p)] for p in placers if (c, p) in by]) for c in cases}
     for i in range(len(cases)):
         for j in range(len(placers)):
             r = by.get((cases[i], placers[j]))
             if r is not None and np.isfinite(M[i, j]):
                 ax.text(j, i, f"{M[i, j]:.2f}" + ("\nOOM" if r.oom else ""), ha="center", va="center", fontsize=6,
                         color="white" if M[i, j] > 2.5 else "black")
+                b = best[cases[i]]
+                if r.placer not in PLACERS and b is not None and versus(r, b) < 0:  # beats every baseline
+                    ax.add_patch(Rectangle((j - 0.46, i - 0.44), 0.92, 0.88, fill=False, edgecolor="#E4572E", lw=2))
     first_agent = next((j for j, p in enumerate(placers) if p not in PLACERS), None)
     if first_agent:  # the agent (and human-expert) columns, apart from the baselines
         ax.axvline(first_agent - 0.5, color="w", lw=2.5)
+    ax.set_xlim(-0.5, len(placers) - 0.5)
+    ax.set_ylim(len(cases) - 0.5, -0.5)
     ax.set_xticks(range(len(placers)))
     ax.set_xticklabels(placers, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(cases)))
     ax.set_yticklabels(cases, fontsize=8)
-    ax.set_title("predicted time / best baseline (log colour, capped at 8x; orange: below 1)", fontsize=9)
+    ax.set_title("predicted time / best baseline (log colour, capped at 8x; framed: beats every baseline)",
+                 fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03, label="log2 ratio")
-    best_lb = []
-    for c in cases:
-        best = best_baseline([by[(c, p)] for p in placers if (c, p) in by])
-        best_lb.append(best.ratio_lb if best is not None else np.nan)
+    best_lb = [best[c].ratio_lb if best[c] is not None else np.nan for c in cases]
     ax2.barh(range(len(cases)), best_lb, color="#4C72B0")
     ax2.axvline(1.0, color="k", lw=0.8)
     ax2.set_yticks(range(len(cases)))
     ax2.set_yticklabels([])
-    ax2.invert_yaxis()
+    ax2.set_ylim(len(cases) - 0.5, -0.5)  # row for row with the heat map
     ax2.set_xlabel("best / lower bound")
     ax2.set_title("gap to the lower bound", fontsize=9)
     fig.tight_layout()

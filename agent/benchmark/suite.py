@@ -204,7 +204,7 @@ class AgentSettings:
     policy: str | None = None
 
     def describe(self) -> str:
-        return f"policy {self.policy or 'agent/pretrained/placement_policy.zip (shipped)'}"
+        return f"policy `{self.policy}`" if self.policy else "the shipped policy `agent/pretrained/placement_policy.zip`"
 
 
 @dataclass
