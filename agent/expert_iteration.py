@@ -313,17 +313,21 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     state = IterationState.load(run) if resume else IterationState(run / "expert_iteration.json")
     objective = cfg.env.get("objective", "step_time")
 
-    # the tasks and round 0's targets
-    train_draws, holdout_draws = draw_distribution(dist)
+    # the tasks and round 0's targets (drawn and searched once: a resumed run reads them back)
     ds_path = Path(ei.dataset) if ei.dataset else run / "dataset"
     params = {"seed": dist.seed, "evaluations": ei.search_evaluations, "objective": objective,
               "distribution": dist.model_dump(mode="json")}
     dataset = Dataset.open(ds_path, create=True, params=params, description=f"expert iteration of {cfg.name}")
-    jobs = (jobs_from_draws(train_draws, evaluations=ei.search_evaluations, objective=objective)
-            + jobs_from_draws(holdout_draws, evaluations=0, objective=objective))
-    build(dataset, jobs, executor=executor, log=log, progress=progress)
-    ids = {"train": [j.task_id for j in jobs if j.split == "train"],
-           "holdout": [j.task_id for j in jobs if j.split == "holdout"]}
+    tasks_file = run / "tasks.json"
+    ids = json.loads(tasks_file.read_text()) if tasks_file.exists() else None
+    if ids is None or not set(ids["train"] + ids["holdout"]) <= dataset.done():
+        train_draws, holdout_draws = draw_distribution(dist)
+        jobs = (jobs_from_draws(train_draws, evaluations=ei.search_evaluations, objective=objective)
+                + jobs_from_draws(holdout_draws, evaluations=0, objective=objective))
+        build(dataset, jobs, executor=executor, log=log, progress=progress)
+        ids = {"train": [j.task_id for j in jobs if j.split == "train"],
+               "holdout": [j.task_id for j in jobs if j.split == "holdout"]}
+        atomic_write_json(tasks_file, ids, indent=1)
     best = dataset.best()
     ids["train"], tasks = placeable(dataset, [best[i] for i in ids["train"]], cfg.env, log)
     model, venv = model_factory(tasks)
@@ -355,8 +359,14 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                                seed=cfg.seed + r, log=log)
                 state.mark(r, "distill", str(_checkpoint(model, run, r, "distill")), stats)
             if not state.done(r, "ppo") and ei.ppo_steps > 0:
-                stats = improve(model, cfg, run, tasks, goal, steps=ei.ppo_steps, progress=progress, log=log,
-                                deadline=deadline)
+                stats, found = improve(model, cfg, run, tasks, goal, steps=ei.ppo_steps, progress=progress, log=log,
+                                       deadline=deadline)
+                for i, tid in enumerate(ids["train"]):  # PPO's plans are the environment's: targets as they are
+                    b, g = found.get(tasks[i].name), goal.get(tasks[i].name)
+                    if b is not None and g is not None and (b["oom"], b["step_time"]) < (g["oom"], g["value"]):
+                        targets.append({"task_id": tid, "value": float(b["step_time"]), "oom": bool(b["oom"]),
+                                        "source": f"ppo round {r}", "round": r,
+                                        "plan": b["plan"].bind(tasks[i].graph).to_dict()})
                 state.mark(r, "ppo", str(_checkpoint(model, run, r, "ppo")), stats)
             if not state.done(r, "evaluate"):
                 best = dataset.best()
@@ -424,8 +434,9 @@ def distil(model, tasks: Sequence, goal: dict[str, dict], env_kwargs: dict, *, e
 
 
 def improve(model, cfg, run: Path, tasks: Sequence, goal: dict[str, dict], *, steps: int, progress: bool,
-            log: Callable[[str], None], deadline: float | None) -> dict:
-    """PPO for ``steps`` with self-imitation; the targets are the known bests."""
+            log: Callable[[str], None], deadline: float | None) -> tuple[dict, dict]:
+    """PPO for ``steps`` with self-imitation; the targets are the known bests. Returns the stats and the
+    best plan PPO visited per task (``BestPlanCallback.best``)."""
     from stable_baselines3.common.callbacks import CallbackList
 
     from agent.callbacks import AtomicCheckpointCallback, BestPlanCallback, DeadlineCallback, ProgressCallback
@@ -452,8 +463,8 @@ def improve(model, cfg, run: Path, tasks: Sequence, goal: dict[str, dict], *, st
                 reset_num_timesteps=False, progress_bar=False)
     beat = sum(1 for name, b in best_cb.best.items()
                if name in goal and (b["oom"], b["step_time"]) < (goal[name]["oom"], goal[name]["value"]))
-    return {"steps": int(steps), "num_timesteps": int(model.num_timesteps), "episodes": best_cb.episodes,
-            "beat_target": beat, "seconds": round(time.perf_counter() - t, 1)}
+    return ({"steps": int(steps), "num_timesteps": int(model.num_timesteps), "episodes": best_cb.episodes,
+             "beat_target": beat, "seconds": round(time.perf_counter() - t, 1)}, dict(best_cb.best))
 
 
 def _train_ratio(model, dataset, rows: Sequence[dict], samples: int, seed: int) -> float:

@@ -482,8 +482,9 @@ def reference(prep: PreparedTask, scoring: Scoring) -> dict:
 def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microbatch_choices: tuple[int, ...],
                  placer: str) -> RefineStart:
     """The refine mode's starting assignment, once per task: of :func:`start_assignments` (or only
-    ``refine_init`` unless it is ``"best"``), the one with the best reward at the first microbatch
-    choice the batch allows, the 1F1B schedule, no modifiers and no interleaving."""
+    ``refine_init`` unless it is ``"best"``), each at every microbatch count the batch and its placements
+    allow, with the 1F1B schedule and no interleaving, the one with the best reward (the count matters:
+    one microbatch of a large batch can overflow memory where four fit)."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
@@ -492,17 +493,16 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         if not cands:
             raise EnvError(f"task {prep.task.name!r}: refine_init {refine_init!r} is not expressible here")
     ref = reference(prep, scoring)
-    mb_idx = int(np.flatnonzero(prep.mb_valid)[0])
     best = None
     for name, assign in cands.items():
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
-        if not prep.mb_ok[mb_idx, assign // N_MODIFIERS].all():
-            continue
-        res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
-        r = plan_reward(res, ref["time"])
-        if best is None or r > best.reward:
-            best = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
+        fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
+        for mb_idx in np.flatnonzero(fits).tolist():
+            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
+            r = plan_reward(res, ref["time"])
+            if best is None or r > best.reward:
+                best = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
     if best is None:  # pragma: no cover - the single-device plan always works with microbatch 1
         raise EnvError(f"task {prep.task.name!r}: no heuristic start plan is expressible")
     prep.start = best
@@ -511,11 +511,41 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
 
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """The refine start's candidates, one action per group: the reference plans expressed in the
-    placement table, and Megatron-style tensor x data parallelism over all devices built in it
-    (:func:`megatron_assignment`, one per tensor-parallel degree the table offers)."""
+    placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
+    its CPUs) and, where some group has weights, the same with ZeRO-3; and Megatron-style tensor x data
+    parallelism over all devices built in it (:func:`megatron_assignments`, one per tensor-parallel degree
+    the table offers)."""
     plans = reference_plans(prep.task.graph, prep.task, prep.dtype)
     out = {name: express(prep, plan) for name, plan in plans.items()}
+    out.update(data_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
+    return out
+
+
+def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """Data parallelism (``batch_split``) over each device kind's largest group of the table, groups that
+    cannot split by samples on its first device; and that with ZeRO-3 on every weighted group."""
+    opts, look = prep.options, prep.options.lookup()
+    topo = prep.task.topology
+    kinds: dict[str, list[int]] = {}
+    for d, dev in enumerate(topo.devices):
+        kinds.setdefault(dev.kind, []).append(d)
+    z3 = _MODIFIER_ID[(3, "none", False)]
+    out = {}
+    for kind, members in kinds.items():
+        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)]
+        if not groups:
+            continue
+        g = max(groups, key=len)
+        o = look.get((g, "batch_split", len(g)))
+        if o is None:
+            continue
+        single = look[((g[0],), "single", 1)]
+        plain = np.where(prep.allowed[:, o], o, single) * N_MODIFIERS
+        out[f"data parallel {kind} x{len(g)}"] = plain
+        zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z3], z3, 0)
+        if (zero != plain).any():
+            out[f"data parallel {kind} x{len(g)} zero-3"] = zero
     return out
 
 
