@@ -234,6 +234,7 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
             for i, t in enumerate(todo)]
     counts: dict = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
     curves: list = []
+    t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
         t = bar.add_task(f"round {r} targets", total=len(jobs))
@@ -262,6 +263,7 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
             ex.map(find_target, jobs, on_result=keep)
     log(f"round {r}: {counts['new_targets']} new target(s), {counts['improved_dataset']} dataset improvement(s) "
         f"over {len(task_ids)} task(s)")
+    counts["seconds"] = round(time.perf_counter() - t0, 1)  # this invocation's (a resumed round: its rest)
     counts["curves"] = curves[:64]  # the searches' best / start over evaluations (the TensorBoard image)
     return counts
 
@@ -341,7 +343,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     rounds = []
     try:
         for r in range(int(ei.rounds)):
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and time.perf_counter() > deadline and not state.done(r, "logged"):
                 log(f"deadline reached before round {r}")
                 break
             if not state.done(r, "search"):

@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     lines = ["# The shipped policy: expert iteration", "",
-             f"`python -m experiments.train_pretrained` ({report['config']}), {report['seconds'] / 3600:.2f} h on "
-             "this machine, " f"{report['num_timesteps']} PPO steps.", "",
+             f"`python -m experiments.train_pretrained` ({report['config']}), {report['num_timesteps']} PPO steps; "
+             "phase times on this machine (2 cores): "
+             + (", ".join(f"round {p['round']} {p['phase']} {p['seconds'] / 60:.1f} min" for p in report["phases"]
+                          if p.get("seconds")) or "not recorded") + ".", "",
              "| round | dataset rows | best known vs heuristic | targets vs best known | new targets | "
              "distill CE | agreement | held-out zero-shot geo-mean | min | wins | training tasks vs best known |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
