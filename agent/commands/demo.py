@@ -6,13 +6,13 @@ import typer
 
 
 def demo_cmd(
-    steps: int = typer.Option(None, "--steps", min=1, help="training steps (default: the demo config's, ~5 min on 2 cores)"),
+    steps: int = typer.Option(None, "--steps", min=1, help="training steps (default: the demo config's, ~15 min on 2 cores)"),
     out: str = typer.Option("runs", "--out", help="directory for the run, the plan and its Gantt chart"),
     model: str = typer.Option("gpt-medium", "--model", help="the held-out model to place"),
     topology: str = typer.Option("dgx-a100-80g", "--topology", "-t"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
-    """End to end in about five minutes: train, place a held-out model, print the comparison."""
+    """End to end in about fifteen minutes on 2 cores: train, place a held-out model, print the comparison."""
     from agent.demo import run_demo
 
     run_demo(steps=steps, out=out, model=model, topology=topology, progress=progress, echo=typer.echo)
