@@ -705,20 +705,31 @@ def _imitation_warm_start(model, cfg: TrainConfig, tasks: Sequence, kw: dict, be
 def greedy_scores(model, tasks: Sequence, kwargs: dict) -> np.ndarray:
     """The score of the policy's deterministic plan on each task (one episode per task; the final plan's
     ``info["score"]``, which in refine mode is not the last step's reward)."""
+    return policy_scores(model, tasks, kwargs)
+
+
+def policy_scores(model, tasks: Sequence, kwargs: dict, *, deterministic: bool = True,
+                  episodes: int = 1) -> np.ndarray:
+    """Per task, the mean final ``info["score"]`` of ``episodes`` episodes of the policy (greedy, or
+    sampled with ``deterministic=False``: seed torch first for repeatable samples)."""
     from envs.placement.env import PlacementEnv
 
     env = PlacementEnv(list(tasks), **kwargs)
     out = []
     for task in tasks:
-        obs, _ = env.reset(options={"task": task})
-        done, info = False, {}
-        while not done:
-            a, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=True)
-            obs, _, done, _, info = env.step(int(a))
-        out.append(float(info["score"]))
+        scores = []
+        for _ in range(episodes):
+            obs, _ = env.reset(options={"task": task})
+            done, info = False, {}
+            while not done:
+                a, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=deterministic)
+                obs, _, done, _, info = env.step(int(a))
+            scores.append(float(info["score"]))
+        out.append(float(np.mean(scores)))
     return np.array(out)
 
 
 __all__ = ["TrainConfig", "TrainResult", "TrainError", "TrainingInterrupted", "load_config", "parse_spec",
            "build_tasks", "task_lists", "build_envs", "pick_checkpoint", "saved_steps", "train", "greedy_scores",
+           "policy_scores",
            "make_vec_env"]

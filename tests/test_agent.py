@@ -18,7 +18,15 @@ from sb3_contrib import MaskablePPO  # noqa: E402
 
 from agent.infer import model_shape, place, rollout  # noqa: E402
 from agent.policy import GraphPlacementPolicy  # noqa: E402
-from agent.train import TrainError, build_tasks, greedy_scores, load_config, make_vec_env, train  # noqa: E402
+from agent.train import (  # noqa: E402
+    TrainError,
+    build_tasks,
+    greedy_scores,
+    load_config,
+    make_vec_env,
+    policy_scores,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,22 +229,8 @@ def sampled_scores(model, tasks, kwargs: dict, n: int = 16) -> np.ndarray:
     reward PPO maximises."""
     import torch as th
 
-    from envs.placement.env import PlacementEnv
-
     th.manual_seed(0)
-    env = PlacementEnv(list(tasks), **kwargs)
-    out = []
-    for task in tasks:
-        scores = []
-        for _ in range(n):
-            obs, _ = env.reset(options={"task": task})
-            done, info = False, {}
-            while not done:
-                a, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=False)
-                obs, _, done, _, info = env.step(int(a))
-            scores.append(float(info["score"]))
-        out.append(np.mean(scores))
-    return np.array(out)
+    return policy_scores(model, tasks, kwargs, deterministic=False, episodes=n)
 
 
 def test_training_improves_expected_reward(run):
