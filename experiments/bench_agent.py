@@ -97,8 +97,10 @@ def _ratio(heuristic, policy) -> float:
 
 
 def _geo(xs) -> float:
-    xs = [max(x, 1e-3) for x in xs]
-    return float(math.exp(sum(math.log(x) for x in xs) / len(xs))) if xs else float("nan")
+    """Geometric mean with a ratio of 0 (a plan out of memory) counted as 1e-3, not dropped."""
+    from agent.benchmark.results import geomean
+
+    return geomean([max(x, 1e-3) for x in xs])
 
 
 # ---------------------------------------------------------------------- (a) zero-shot
