@@ -328,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=30.0, help="(c): training wall clock")
     ap.add_argument("--ray", action="store_true", help="run the (a) and (b) cases on a local Ray instance")
     args = ap.parse_args(argv)
+    from agent.infer import load_policy
+    from envs.errors import RlplaceError
+
+    try:
+        load_policy(args.policy)  # a policy that does not load: one line, before any work
+    except RlplaceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     targets = ["a", "b", "c", "d"] if args.target == "all" else [args.target]
