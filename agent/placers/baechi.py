@@ -40,6 +40,7 @@ from agent.placers.common import (
     units,
 )
 from envs.graph import OpGraph
+from envs.placement.list_schedule import favourite_parents, list_schedule
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=30.0, evaluations=32)
@@ -55,7 +56,7 @@ def _edge_time(graph: OpGraph, topology: Topology, e: int, a: int, b: int) -> fl
 
 def list_schedule_placement(graph: OpGraph, topology: Topology, *, sct: bool) -> np.ndarray:
     """Device of each node from memory-constrained ETF (``sct=False``) or SCT (``sct=True``)."""
-    n, nd = graph.num_nodes, topology.num_devices
+    nd = topology.num_devices
     kw = plan_defaults(graph)
     tau = op_time_matrix(graph, topology, kw["dtype"])
     mem = node_memory(graph, kw)
@@ -64,83 +65,16 @@ def list_schedule_placement(graph: OpGraph, topology: Topology, *, sct: bool) ->
     unit, members = units(graph)
     umem = np.array([mem[m].sum() for m in members])
     uallowed = np.array([allowed[m].all(axis=0) for m in members])
-    in_edges: list[list[int]] = [[] for _ in range(n)]
-    succ: list[list[int]] = [[] for _ in range(n)]
-    for e in range(graph.num_edges):
-        in_edges[int(graph.edge_dst[e])].append(e)
-        succ[int(graph.edge_src[e])].append(int(graph.edge_dst[e]))
-    fav_parent = np.full(n, -1, dtype=np.int64)
+    fav = None
     if sct:
-        out_best: dict[int, tuple[float, int]] = {}
-        for e in range(graph.num_edges):
-            u, v = int(graph.edge_src[e]), int(graph.edge_dst[e])
-            w = float(graph.edge_time[e]) if graph.edge_time is not None else float(graph.edge_bytes[e])
-            if u not in out_best or w > out_best[u][0]:
-                out_best[u] = (w, v)
-        for u, (_, v) in out_best.items():
-            if fav_parent[v] < 0:
-                fav_parent[v] = u
-    remaining = np.bincount(graph.edge_dst, minlength=n).astype(np.int64)
-    device = np.full(n, -1, dtype=np.int64)
-    unit_dev = np.full(len(members), -1, dtype=np.int64)
-    finish_t = np.zeros(n)
-    free_at = np.zeros(nd)
-    used = np.zeros(nd)
-    ready: list[int] = [v for v in graph.topological_order().tolist() if remaining[v] == 0]
-    data_ready: dict[int, np.ndarray] = {}
+        weight = graph.edge_time if graph.edge_time is not None else graph.edge_bytes
+        fav = favourite_parents(graph.num_nodes, graph.edge_src, graph.edge_dst, weight)
 
-    def arrival(v: int) -> np.ndarray:
-        arr = np.zeros(nd)
-        for e in in_edges[v]:
-            u = int(graph.edge_src[e])
-            t = np.array([finish_t[u] + _edge_time(graph, topology, e, int(device[u]), d) for d in range(nd)])
-            arr = np.maximum(arr, t)
-        return arr
+    def delay(e: int, a: int) -> np.ndarray:
+        return np.array([_edge_time(graph, topology, e, a, d) for d in range(nd)])
 
-    for v in ready:
-        data_ready[v] = arrival(v)
-    while ready:
-        R = np.asarray(ready, dtype=np.int64)
-        arr = np.stack([data_ready[v] for v in ready])
-        start = np.maximum(arr, free_at[None, :])
-        fin = start + tau[R]
-        ok = np.zeros_like(fin, dtype=bool)
-        for i, v in enumerate(ready):
-            u = unit[v]
-            if unit_dev[u] >= 0:
-                ok[i, unit_dev[u]] = True
-            else:
-                ok[i] = uallowed[u] & (used + umem[u] <= cap)
-                if not ok[i].any():  # nowhere fits: the most free memory among the allowed devices
-                    free = np.where(uallowed[u], cap - used, -np.inf)
-                    ok[i, int(np.argmax(free))] = True
-                p = int(fav_parent[v])
-                if sct and p >= 0 and device[p] >= 0 and ok[i, device[p]] \
-                        and free_at[device[p]] <= arr[i, device[p]] + 1e-12:
-                    keep = int(device[p])
-                    ok[i] = False
-                    ok[i, keep] = True
-        masked = np.where(ok, fin, np.inf)
-        flat = int(np.argmin(masked))
-        i, d = divmod(flat, nd)
-        v = int(R[i])
-        device[v] = d
-        finish_t[v] = fin[i, d]
-        free_at[d] = fin[i, d]
-        u = unit[v]
-        if unit_dev[u] < 0:
-            unit_dev[u] = d
-            used[d] += umem[u]
-        ready.pop(i)
-        del data_ready[v]
-        for w in succ[v]:
-            remaining[w] -= 1
-            if remaining[w] == 0:
-                ready.append(int(w))
-                data_ready[int(w)] = arrival(int(w))
-    # co-location classes follow the device their first member got
-    for u, m in enumerate(members):
-        device[m] = unit_dev[u]
+    device, used = list_schedule(graph.topological_order().tolist(), tau, graph.edge_src, graph.edge_dst, delay,
+                                 unit, umem, uallowed, cap, fav)
     if (used > cap).any():
         device = repair_memory(graph, topology, device, mem, tau)
     return device
