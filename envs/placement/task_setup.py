@@ -27,6 +27,7 @@ import numpy as np
 from envs.errors import EnvError, PlanError
 from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
+from envs.placement.list_schedule import favourite_parents, list_schedule
 from envs.placement.observation import GroupStats, static_features
 from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order
 from envs.placement.reward import plan_reward
@@ -514,11 +515,13 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
     its CPUs) and, where some group has weights, the same with ZeRO-3; and Megatron-style tensor x data
     parallelism over all devices built in it (:func:`megatron_assignments`, one per tensor-parallel degree
-    the table offers)."""
+    the table offers); and the groups list-scheduled on single devices (:func:`list_schedule_assignments`),
+    the operator placements pipelines and multi-branch graphs want."""
     plans = reference_plans(prep.task.graph, prep.task, prep.dtype)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
+    out.update(list_schedule_assignments(prep))
     return out
 
 
@@ -595,6 +598,48 @@ def express(prep: PreparedTask, plan: Plan) -> np.ndarray:
             k = _MODIFIER_ID[(0, mode if prep.modifier_ok[v, _MODIFIER_ID[(0, mode, False)]] else "none", False)]
         out[v] = o * N_MODIFIERS + k
     return out
+
+
+def list_schedule_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """The groups placed one per device by memory-constrained ETF and SCT list scheduling
+    (:func:`envs.placement.list_schedule.list_schedule`, Baechi's m-ETF / m-SCT on the groups): each
+    group's time on a device is its roofline time there (``time_single`` x ``2**speed``), each edge
+    costs ``Topology.p2p_time`` of its bytes, and a unit (co-location class or group) holds its model
+    states plus the activations of 1F1B at the largest microbatch count the batch allows. When every
+    group lands on one device the start is the single-device plan already offered, and is left out."""
+    topo, look, g = prep.task.topology, prep.options.lookup(), prep.graph
+    n, nd = g.num_nodes, topo.num_devices
+    single = [look.get(((d,), "single", 1)) for d in range(nd)]
+    if any(o is None for o in single):  # pragma: no cover - the table offers every device alone
+        return {}
+    ok = prep.allowed[:, single]  # [n, nd]
+    tau = np.where(ok, prep.time_single[:, None] * np.exp2(prep.speed[:, single].astype(np.float64)), np.inf)
+    m = int(prep.mb_counts[prep.mb_valid].max())
+    in_flight = prep.task.global_batch / max(int(g.batch_size), 1) / m * min(m, nd)
+    mem = prep.states + prep.act_kept[:, 0] * in_flight
+    n_cls = len(prep.class_members)
+    unit = np.where(prep.class_of >= 0, prep.class_of, n_cls + np.arange(n))
+    unit_memory = np.bincount(unit, weights=mem, minlength=n_cls + n)
+    unit_allowed = np.ones((n_cls + n, nd), dtype=bool)
+    np.logical_and.at(unit_allowed, unit, ok)
+    nbytes = np.asarray(g.edge_bytes, dtype=np.float64)
+    delays: dict[tuple[int, int], np.ndarray] = {}
+
+    def delay(e: int, a: int) -> np.ndarray:
+        key = (e, a)
+        if key not in delays:
+            delays[key] = np.array([0.0 if d == a else topo.p2p_time(a, d, float(nbytes[e])) for d in range(nd)])
+        return delays[key]
+
+    order = g.topological_order().tolist()
+    out = {}
+    for name, fav in (("list schedule etf", None),
+                      ("list schedule sct", favourite_parents(n, g.edge_src, g.edge_dst, nbytes))):
+        device, _ = list_schedule(order, tau, g.edge_src, g.edge_dst, delay, unit, unit_memory, unit_allowed,
+                                  prep.capacity, fav)
+        if np.unique(device).size > 1 and not any((a == device).all() for a in [x[0] for x in out.values()]):
+            out[name] = (device, np.asarray(single, dtype=np.int64)[device] * N_MODIFIERS)
+    return {name: assign for name, (_, assign) in out.items()}
 
 
 def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
