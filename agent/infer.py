@@ -3,8 +3,8 @@
 :func:`place` runs, for one (graph, topology):
 
 1. the policy's greedy rollout plus ``samples`` sampled rollouts (``PlacementEnv`` coarsens the graph
-   to at most ``max_groups`` groups; the GNN works for any padding, so the graph and topology may be
-   larger than those the policy was trained on);
+   to at most ``max_groups`` groups, by default :func:`policy_groups`; the GNN works for any padding, so
+   the graph and topology may be larger than those the policy was trained on);
 2. optionally ``finetune_steps`` of PPO on this task alone (only when the task fits the policy's
    padding), then the rollouts again;
 3. the fast heuristic baselines (:func:`run_baselines`: :data:`agent.placers.PLACERS` except the search
@@ -51,6 +51,10 @@ PRETRAINED = PRETRAINED_DIR / "placement_policy.zip"
 # the whole call's default budget: a 500-group graph (greedy + 8 samples ~2 s, baselines ~1 s) then gets
 # ~17 s of guided search and finishes in about 20 s on 2 cores
 DEFAULT_BUDGET_SECONDS = 20.0
+# the groups the policy places when the caller names none: finer than the padding the shipped policy was
+# trained at (its GNN does not depend on the size), so operator placements (a tower per device, a branch
+# per device) survive the coarsening, and small enough that greedy + 8 samples stay within seconds
+DEFAULT_POLICY_GROUPS = 128
 
 
 class PlaceError(RlplaceError):
@@ -448,6 +452,7 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     secs: dict[str, float] = {}
     ev = CachedSimulation(cache_size=4096)
     model = model if model is not None else load_policy(policy)
+    max_groups = policy_groups(model, max_groups, finetune_steps)
     task = Task(graph, topology)
     policy_ev = CachedSimulation(cache_size=4096)  # the rollouts' simulations, counted apart
     # greedy only: a refine episode simulates its final plan alone (the fast path for large graphs)
@@ -490,6 +495,16 @@ def place(graph: OpGraph, topology: Topology, *, model=None, policy: str | os.Pa
     evaluations = {"policy": int(policy_ev.misses), "guided_search": int(found[1].evaluations) if found else 0}
     return PlaceResult(plan=winning_plan(cands, objective, seed), best=cands[0], candidates=cands, seconds=secs,
                        search=found[1] if found else None, evaluations=evaluations)
+
+
+def policy_groups(model, max_groups: int | None, finetune_steps: int = 0) -> int:
+    """The groups the policy places the graph in: ``max_groups`` when given; else the policy's padding when
+    fine-tuning (PPO needs the observation shape it was trained on), else the larger of the padding and
+    :data:`DEFAULT_POLICY_GROUPS`."""
+    if max_groups is not None:
+        return int(max_groups)
+    pad = model_shape(model)["max_nodes"]
+    return pad if finetune_steps > 0 else max(pad, DEFAULT_POLICY_GROUPS)
 
 
 MIN_SEARCH_SECONDS = 0.05  # less budget than this left: the guided search is skipped
