@@ -16,7 +16,7 @@ pytest.importorskip("sb3_contrib")
 
 from sb3_contrib import MaskablePPO  # noqa: E402
 
-from agent.infer import model_shape, place, rollout  # noqa: E402
+from agent.infer import DEFAULT_POLICY_GROUPS, model_shape, place, policy_groups, rollout  # noqa: E402
 from agent.policy import GraphPlacementPolicy  # noqa: E402
 from agent.train import (  # noqa: E402
     TrainError,
@@ -395,6 +395,9 @@ def test_place_returns_the_best_candidate_as_simulated(run):
     assert [c.kind for c in big.candidates] == ["policy"] and big.best.name == "policy greedy"
     big.plan.validate(g, big_topo)
     assert big.plan.provenance["predicted_step_time"] == _fresh_value(g, big_topo, big.plan)
+    # the groups the policy places: the caller's, else its padding when fine-tuning, else at least 128
+    assert policy_groups(model, 16) == 16 and policy_groups(model, None, finetune_steps=64) == 8
+    assert policy_groups(model, None) == DEFAULT_POLICY_GROUPS == 128
 
 
 def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
