@@ -626,3 +626,23 @@ def test_refine_episode_from_a_given_plan(small_tasks):
         _, _, done, _, info = env.step(int(env.assignment[env.node]) if env.node is not None
                                        else int(np.flatnonzero(env.action_masks())[0]))
     assert info["best_step_time"] <= CachedSimulation().evaluate(task.graph, task.topology, plan).value + 1e-12
+
+
+def test_pipeline_starts_cut_the_order_into_balanced_stages_on_the_fastest_devices():
+    from envs.placement.task_setup import pipeline_assignments, single_device_times, start_assignments
+
+    env = PlacementEnv(default_tasks("dgx-a100-80g", names=["gpt-tiny"]), mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = pipeline_assignments(prep)
+    assert sorted(starts) == ["pipeline 2 stages", "pipeline 4 stages", "pipeline 8 stages"]  # 8 equal GPUs
+    single, _, tau = single_device_times(prep)
+    order = prep.graph.topological_order()
+    for name, assign in starts.items():
+        k = int(name.split()[1])
+        assert (assign % N_MODIFIERS == 0).all()
+        device = np.searchsorted(single, assign[order] // N_MODIFIERS)
+        assert (np.diff(device) >= 0).all() and np.unique(device).size == k  # contiguous, in device order
+        load = np.bincount(device, weights=tau[order, 0], minlength=k)
+        assert load.max() < 1.5 * load.sum() / k + tau[:, 0].max()  # balanced up to one group
+    assert set(starts) <= set(start_assignments(prep))

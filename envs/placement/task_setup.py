@@ -38,6 +38,7 @@ from envs.plan import (
     RECOMPUTE,
     Plan,
     attention_core,
+    contiguous_stages,
     expert_layers,
     megatron_layouts,
     sequence_splittable,
@@ -515,13 +516,15 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
     its CPUs) and, where some group has weights, the same with ZeRO-3; and Megatron-style tensor x data
     parallelism over all devices built in it (:func:`megatron_assignments`, one per tensor-parallel degree
-    the table offers); and the groups list-scheduled on single devices (:func:`list_schedule_assignments`),
-    the operator placements pipelines and multi-branch graphs want."""
+    the table offers); and the groups on single devices: list-scheduled (:func:`list_schedule_assignments`)
+    and cut into balanced pipeline stages (:func:`pipeline_assignments`), the operator placements
+    multi-branch graphs and pipelines want."""
     plans = reference_plans(prep.task.graph, prep.task, prep.dtype)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
     out.update(list_schedule_assignments(prep))
+    out.update(pipeline_assignments(prep))
     return out
 
 
@@ -607,13 +610,9 @@ def list_schedule_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     costs ``Topology.p2p_time`` of its bytes, and a unit (co-location class or group) holds its model
     states plus the activations of 1F1B at the largest microbatch count the batch allows. When every
     group lands on one device the start is the single-device plan already offered, and is left out."""
-    topo, look, g = prep.task.topology, prep.options.lookup(), prep.graph
+    topo, g = prep.task.topology, prep.graph
     n, nd = g.num_nodes, topo.num_devices
-    single = [look.get(((d,), "single", 1)) for d in range(nd)]
-    if any(o is None for o in single):  # pragma: no cover - the table offers every device alone
-        return {}
-    ok = prep.allowed[:, single]  # [n, nd]
-    tau = np.where(ok, prep.time_single[:, None] * np.exp2(prep.speed[:, single].astype(np.float64)), np.inf)
+    single, ok, tau = single_device_times(prep)
     m = int(prep.mb_counts[prep.mb_valid].max())
     in_flight = prep.task.global_batch / max(int(g.batch_size), 1) / m * min(m, nd)
     mem = prep.states + prep.act_kept[:, 0] * in_flight
@@ -632,14 +631,45 @@ def list_schedule_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         return delays[key]
 
     order = g.topological_order().tolist()
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for name, fav in (("list schedule etf", None),
                       ("list schedule sct", favourite_parents(n, g.edge_src, g.edge_dst, nbytes))):
         device, _ = list_schedule(order, tau, g.edge_src, g.edge_dst, delay, unit, unit_memory, unit_allowed,
                                   prep.capacity, fav)
-        if np.unique(device).size > 1 and not any((a == device).all() for a in [x[0] for x in out.values()]):
-            out[name] = (device, np.asarray(single, dtype=np.int64)[device] * N_MODIFIERS)
-    return {name: assign for name, (_, assign) in out.items()}
+        assign = single[device] * N_MODIFIERS
+        if np.unique(device).size > 1 and not any(np.array_equal(assign, a) for a in out.values()):
+            out[name] = assign
+    return out
+
+
+def single_device_times(prep: PreparedTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the placement id of each device alone [nd], whether each group may go there [n, nd], each group's
+    roofline time there [n, nd]: ``time_single`` x ``2**speed``, inf where not allowed)."""
+    look, nd = prep.options.lookup(), prep.task.topology.num_devices
+    single = np.array([look[((d,), "single", 1)] for d in range(nd)], dtype=np.int64)  # every device alone
+    ok = prep.allowed[:, single]
+    tau = np.where(ok, prep.time_single[:, None] * np.exp2(prep.speed[:, single].astype(np.float64)), np.inf)
+    return single, ok, tau
+
+
+def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """GPipe-style pipelines (Huang et al., 2019): the groups' topological order cut into k contiguous
+    stages balanced by their time on the fastest device (:func:`envs.plan.contiguous_stages`, cuts
+    between layers where the graph has them), stage i on the i-th fastest device that may hold every
+    group (ties in device order, so neighbouring stages share a host); k = 2, 4, 8, ... and all of them."""
+    single, ok, tau = single_device_times(prep)
+    usable = np.flatnonzero(ok.all(axis=0))
+    n = prep.graph.num_nodes
+    if usable.size < 2 or n < 2:
+        return {}
+    total = tau[:, usable].sum(axis=0)
+    devs = usable[np.argsort(total, kind="stable")]
+    counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
+    out = {}
+    for k in (k for k in counts if k <= n):
+        stage = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]])
+        out[f"pipeline {k} stages"] = single[devs[stage]] * N_MODIFIERS
+    return out
 
 
 def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
