@@ -523,9 +523,11 @@ def layer_ids(graph: OpGraph) -> np.ndarray:
     return out
 
 
-def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None) -> np.ndarray:
+def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None,
+                      shares: np.ndarray | None = None) -> np.ndarray:
     """Split the topological order into ``pp`` contiguous stages balanced by ``weights`` (default FLOPs),
-    cutting only where the layer index changes when the graph has layers."""
+    cutting only where the layer index changes when the graph has layers. ``shares`` [pp]: each stage's
+    fraction of the total weight (default equal; a faster device's stage takes a larger share)."""
     order = graph.topological_order()
     w = (graph.fwd_flops + graph.bwd_flops) if weights is None else np.asarray(weights, dtype=np.float64)
     w = w[order] + 1e-12
@@ -537,8 +539,9 @@ def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None
         cand = list(range(1, len(order)))
     cand_arr = np.array(cand)
     cuts: list[int] = []
+    bounds = np.arange(1, pp) / pp if shares is None else np.cumsum(shares)[:-1] / np.sum(shares)
     for s in range(1, pp):
-        target = total * s / pp
+        target = total * bounds[s - 1]
         pos = cand_arr[np.argmin(np.abs(cum[cand_arr - 1] - target))]
         lo = cuts[-1] + 1 if cuts else 1
         pos = max(pos, lo)

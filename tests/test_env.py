@@ -646,3 +646,14 @@ def test_pipeline_starts_cut_the_order_into_balanced_stages_on_the_fastest_devic
         load = np.bincount(device, weights=tau[order, 0], minlength=k)
         assert load.max() < 1.5 * load.sum() / k + tau[:, 0].max()  # balanced up to one group
     assert set(starts) <= set(start_assignments(prep))
+
+
+def test_contiguous_stages_take_their_shares_of_the_work():
+    from envs.plan import contiguous_stages
+
+    g = chain_graph(12)  # equal ops
+    assert np.bincount(contiguous_stages(g, 3)).tolist() == [4, 4, 4]
+    # a device twice as fast as the other two takes half the work
+    assert np.bincount(contiguous_stages(g, 3, shares=np.array([2.0, 1.0, 1.0]))).tolist() == [6, 3, 3]
+    stage = contiguous_stages(g, 3, shares=np.array([1.0, 1.0, 2.0]))
+    assert (np.diff(stage[g.topological_order()]) >= 0).all() and np.bincount(stage).tolist() == [3, 3, 6]

@@ -36,6 +36,7 @@ from envs.plan import (
     DTYPE_BYTES,
     LAYOUTS,
     RECOMPUTE,
+    SCHEDULES,
     Plan,
     attention_core,
     contiguous_stages,
@@ -485,8 +486,9 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
                  placer: str) -> RefineStart:
     """The refine mode's starting assignment, once per task: of :func:`start_assignments` (or only
     ``refine_init`` unless it is ``"best"``), each at every microbatch count the batch and its placements
-    allow, with the 1F1B schedule and no interleaving, the one with the best reward (the count matters:
-    one microbatch of a large batch can overflow memory where four fit)."""
+    allow, with the 1F1B schedule and no interleaving (a candidate on several device groups, a pipeline,
+    also with GPipe at its best count), the one with the best reward (the count matters: one microbatch
+    of a large batch can overflow memory where four fit)."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
@@ -500,11 +502,21 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
+        mine = None
         for mb_idx in np.flatnonzero(fits).tolist():
             res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
             r = plan_reward(res, ref["time"])
-            if best is None or r > best.reward:
-                best = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
+            if mine is None or r > mine.reward:
+                mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
+        if mine is not None and np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0] > 1:
+            # a pipeline: GPipe at the best count too (no interleaved backward; more activations in flight)
+            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mine.mb_idx]), "gpipe", 1, placer))
+            r = plan_reward(res, ref["time"])
+            if r > mine.reward:
+                mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mine.mb_idx, result=res,
+                                   schedule=SCHEDULES.index("gpipe"))
+        if mine is not None and (best is None or mine.reward > best.reward):
+            best = mine
     if best is None:  # pragma: no cover - the single-device plan always works with microbatch 1
         raise EnvError(f"task {prep.task.name!r}: no heuristic start plan is expressible")
     prep.start = best
@@ -654,20 +666,21 @@ def single_device_times(prep: PreparedTask) -> tuple[np.ndarray, np.ndarray, np.
 
 def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """GPipe-style pipelines (Huang et al., 2019): the groups' topological order cut into k contiguous
-    stages balanced by their time on the fastest device (:func:`envs.plan.contiguous_stages`, cuts
-    between layers where the graph has them), stage i on the i-th fastest device that may hold every
-    group (ties in device order, so neighbouring stages share a host); k = 2, 4, 8, ... and all of them."""
+    stages (:func:`envs.plan.contiguous_stages`, cuts between layers where the graph has them), stage i
+    on the i-th fastest device that may hold every group (ties in device order, so neighbouring stages
+    share a host), each stage's share of the work proportional to its device's speed (PipeDream's
+    balance on heterogeneous devices, Narayanan et al., SOSP 2019); k = 2, 4, 8, ... and all of them."""
     single, ok, tau = single_device_times(prep)
     usable = np.flatnonzero(ok.all(axis=0))
     n = prep.graph.num_nodes
     if usable.size < 2 or n < 2:
         return {}
-    total = tau[:, usable].sum(axis=0)
-    devs = usable[np.argsort(total, kind="stable")]
+    total = tau.sum(axis=0)  # each device's time for all groups (inf: it may not hold some)
+    devs = usable[np.argsort(total[usable], kind="stable")]
     counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
     out = {}
     for k in (k for k in counts if k <= n):
-        stage = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]])
+        stage = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]], shares=total[devs[0]] / total[devs[:k]])
         out[f"pipeline {k} stages"] = single[devs[stage]] * N_MODIFIERS
     return out
 
