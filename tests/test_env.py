@@ -657,3 +657,23 @@ def test_contiguous_stages_take_their_shares_of_the_work():
     assert np.bincount(contiguous_stages(g, 3, shares=np.array([2.0, 1.0, 1.0]))).tolist() == [6, 3, 3]
     stage = contiguous_stages(g, 3, shares=np.array([1.0, 1.0, 2.0]))
     assert (np.diff(stage[g.topological_order()]) >= 0).all() and np.bincount(stage).tolist() == [3, 3, 6]
+
+
+def test_option_table_adds_the_largest_group_an_uneven_batch_splits_over():
+    topo = preset("a100-80g-cluster:nodes=2")
+    plain = OptionTable.build(topo)
+    assert OptionTable.build(topo, batch=64).groups == plain.groups  # 16 divides 64: nothing to add
+    uneven = OptionTable.build(topo, batch=120)
+    first15 = tuple(range(15))
+    assert uneven.groups[:plain.size] == plain.groups  # the topology's rows keep their indices
+    look = uneven.lookup()
+    assert (first15, "batch_split", 15) in look and set(uneven.groups[plain.size:]) == {first15}
+    assert (first15, "col_split", 1) not in look  # tensor parallel stays inside a host: 15 = 8 + 7 has none
+    # the environment's data-parallel start takes it
+    from envs.graph import chain_graph
+    from envs.placement.task_setup import data_parallel_assignments
+
+    env = PlacementEnv([Task(chain_graph(6, batch_size=120), topo)], mode="refine", max_nodes=8, max_devices=16)
+    env.reset(seed=0)
+    starts = data_parallel_assignments(env.prepared)
+    assert "data parallel a100-80g x15" in starts

@@ -107,10 +107,12 @@ class OptionTable:
         return self.size * N_MODIFIERS
 
     @classmethod
-    def build(cls, topology: Topology, dtype: str = "bf16") -> OptionTable:
+    def build(cls, topology: Topology, dtype: str = "bf16", batch: int | None = None) -> OptionTable:
+        """The table of ``topology``; with ``batch``, also the groups it needs to split evenly
+        (:func:`device_groups`)."""
         nd = topology.num_devices
         rows: list[tuple[tuple[int, ...], int, int]] = [((d,), LAYOUTS.index("single"), 1) for d in range(nd)]
-        for g in device_groups(topology):
+        for g in device_groups(topology, batch):
             g = tuple(int(d) for d in g)
             n = len(g)
             per_host = min(len(v) for v in topology.hosts_of(g).values())
@@ -155,10 +157,13 @@ class OptionTable:
                                                                                           self.dp))}
 
 
-def device_groups(topology: Topology) -> list[tuple[int, ...]]:
+def device_groups(topology: Topology, batch: int | None = None) -> list[tuple[int, ...]]:
     """The multi-device groups of the placement table: ``topology.hierarchy_groups()`` (each host's
     devices in powers of two, hosts, all) and the same hierarchy over each device kind alone (a host's
-    GPUs without its CPU, all the GPUs of the cluster), without repeats."""
+    GPUs without its CPU, all the GPUs of the cluster), without repeats; then, with ``batch``, for all
+    devices and each kind's devices when the batch does not split evenly over them, their first k with
+    k the largest divisor of the batch (data parallelism over 15 of 16 GPUs for a batch of 120, as
+    PyTorch DDP users run it; whole hosts first, so the last host gives up devices)."""
     groups = list(topology.hierarchy_groups())
     seen = set(groups)
     kinds: dict[str, list[int]] = {}
@@ -179,6 +184,13 @@ def device_groups(topology: Topology) -> list[tuple[int, ...]]:
                 if len(g) > 1 and g not in seen:
                     groups.append(g)
                     seen.add(g)
+    if batch is not None and batch > 0:  # last, so the other rows keep their indices
+        tops = [tuple(range(topology.num_devices))] + ([tuple(m) for m in kinds.values()] if len(kinds) > 1 else [])
+        for top in tops:
+            k = max((k for k in range(2, len(top)) if batch % k == 0), default=0) if batch % len(top) else 0
+            if k and top[:k] not in seen:
+                groups.append(top[:k])
+                seen.add(top[:k])
     return groups
 
 

@@ -259,8 +259,9 @@ def coarsened(task: Task, settings: Settings, who: str) -> tuple[OpGraph, object
 
 
 def option_table(task: Task, dtype: str, settings: Settings, who: str) -> OptionTable:
-    """The task topology's placement table, at most ``max_options`` long."""
-    options = OptionTable.build(task.topology, dtype)
+    """The task topology's placement table (with the groups its batch splits evenly over), at most
+    ``max_options`` long."""
+    options = OptionTable.build(task.topology, dtype, batch=task.global_batch)
     if options.size > settings.max_options:
         raise EnvError(f"{who}: topology {task.topology.name!r} gives {options.size} placements, more than "
                        f"max_options={settings.max_options}")
@@ -541,8 +542,9 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
 
 
 def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
-    """Data parallelism (``batch_split``) over each device kind's largest group of the table, groups that
-    cannot split by samples on its first device; and that with ZeRO-3 on every weighted group."""
+    """Data parallelism (``batch_split``) over each device kind's largest group of the table that the
+    batch splits evenly over, groups that cannot split by samples on its first device; and that with
+    ZeRO-3 on every weighted group."""
     opts, look = prep.options, prep.options.lookup()
     topo = prep.task.topology
     kinds: dict[str, list[int]] = {}
@@ -551,7 +553,8 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     z3 = _MODIFIER_ID[(3, "none", False)]
     out = {}
     for kind, members in kinds.items():
-        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)]
+        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)
+                  and prep.task.global_batch % len(g) == 0]
         if not groups:
             continue
         g = max(groups, key=len)
