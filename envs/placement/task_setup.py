@@ -486,10 +486,11 @@ def reference(prep: PreparedTask, scoring: Scoring) -> dict:
 def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microbatch_choices: tuple[int, ...],
                  placer: str) -> RefineStart:
     """The refine mode's starting assignment, once per task: of :func:`start_assignments` (or only
-    ``refine_init`` unless it is ``"best"``), each at every microbatch count the batch and its placements
+    ``refine_init`` unless it is ``"best"``), each at the microbatch counts the batch and its placements
     allow, with the 1F1B schedule and no interleaving (a candidate on several device groups, a pipeline,
     also with GPipe at its best count), the one with the best reward (the count matters: one microbatch
-    of a large batch can overflow memory where four fit)."""
+    of a large batch can overflow memory where four fit). Counts go up from the smallest: a one-stage
+    candidate stops at the first that fits, a pipeline once its time stops falling."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
@@ -503,13 +504,19 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
+        pipeline = np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0] > 1
         mine = None
-        for mb_idx in np.flatnonzero(fits).tolist():
+        for mb_idx in np.flatnonzero(fits).tolist():  # counts ascending
             res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
             r = plan_reward(res, ref["time"])
-            if mine is None or r > mine.reward:
+            better = mine is None or r > mine.reward
+            if better:
                 mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
-        if mine is not None and np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0] > 1:
+            # one stage: more microbatches only save memory, so the first count that fits is its best; a
+            # pipeline's time falls with the count (smaller bubble) until the microbatches get too small
+            if not res.oom and (not pipeline or not better):
+                break
+        if mine is not None and pipeline:
             # a pipeline: GPipe at the best count too (no interleaved backward; more activations in flight)
             res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mine.mb_idx]), "gpipe", 1, placer))
             r = plan_reward(res, ref["time"])
