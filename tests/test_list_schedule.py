@@ -112,3 +112,12 @@ def test_refine_starts_include_the_list_scheduled_operator_placement():
         assert prep.allowed[rows, assign // N_MODIFIERS].all()
         assert np.unique(assign).size > 1
     assert set(starts) <= set(start_assignments(prep))
+
+
+def test_a_chain_gets_no_list_scheduled_start():
+    from envs.graph import chain_graph
+
+    env = PlacementEnv([Task(chain_graph(12, batch_size=8), preset("dgx-a100-80g"))], mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    assert list_schedule_assignments(env.prepared) == {}  # no branches to overlap
+    assert any(k.startswith("pipeline") for k in start_assignments(env.prepared))  # the pipelines cut it instead

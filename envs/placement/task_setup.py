@@ -631,10 +631,16 @@ def list_schedule_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     group's time on a device is its roofline time there (``time_single`` x ``2**speed``), each edge
     costs ``Topology.p2p_time`` of its bytes, and a unit (co-location class or group) holds its model
     states plus the activations of 1F1B at the largest microbatch count the batch allows. When every
-    group lands on one device the start is the single-device plan already offered, and is left out."""
+    group lands on one device the start is the single-device plan already offered, and is left out.
+    A chain of groups (its critical path on the fastest device is all its work, as a transformer's
+    coarsened layers are) gets none: with no branches to overlap, a list schedule can only leave it on
+    one device or cut it into the pipelines :func:`pipeline_assignments` already offers."""
     topo, g = prep.task.topology, prep.graph
     n, nd = g.num_nodes, topo.num_devices
     single, ok, tau = single_device_times(prep)
+    fastest = tau[:, int(np.argmin(tau.sum(axis=0)))]
+    if fastest.sum() <= g.critical_path(fastest)[0] * (1 + 1e-9):
+        return {}
     m = int(prep.mb_counts[prep.mb_valid].max())
     in_flight = prep.task.global_batch / max(int(g.batch_size), 1) / m * min(m, nd)
     mem = prep.states + prep.act_kept[:, 0] * in_flight
