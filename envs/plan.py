@@ -66,6 +66,18 @@ _ATTENTION_INNER_KINDS = ("softmax", "dropout", "matmul", "bmm", "baddbmm", "sof
 # Mixed-precision Adam: fp16/bf16 weights (2) + grads (2) + fp32 master, momentum, variance (12)
 # = 16 bytes per parameter (Rajbhandari et al., ZeRO, SC'20, Sec. 3.1).
 ADAM_MIXED_BYTES_PER_PARAM = 16.0
+# imported dnn-partitioning workloads state every stored byte (Tarnawski et al., NeurIPS 2020 workloads)
+IMPORTED_WORKLOAD_SOURCES = ("dnn-partitioning",)
+
+
+def plan_defaults(graph: OpGraph) -> dict:
+    """dtype and model-state bytes per parameter of the plans built for ``graph`` (by the placers and the
+    placement environment alike): the graph's dtype with mixed-precision Adam's 16 bytes; imported
+    dnn-partitioning workloads count memory as one byte per stored byte (fp32, 4 B per parameter)."""
+    if graph.meta.get("source") in IMPORTED_WORKLOAD_SOURCES:
+        return {"dtype": "fp32", "state_bytes_per_param": 4.0}
+    dtype = graph.dtype if graph.dtype in DTYPE_BYTES else "bf16"
+    return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
 
 
 def _device_group(g, i: int) -> tuple[int, ...]:
@@ -523,6 +535,14 @@ def layer_ids(graph: OpGraph) -> np.ndarray:
     return out
 
 
+def stage_cuts(graph: OpGraph, pp: int) -> np.ndarray:
+    """Where in the topological order a pipeline stage may start: where the repeated-layer index changes,
+    or anywhere when the graph has fewer than ``pp - 1`` such places."""
+    layers = layer_ids(graph)[graph.topological_order()]
+    cand = np.flatnonzero(layers[1:] != layers[:-1]) + 1
+    return cand if cand.size >= pp - 1 else np.arange(1, graph.num_nodes)
+
+
 def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None,
                       shares: np.ndarray | None = None) -> np.ndarray:
     """Split the topological order into ``pp`` contiguous stages balanced by ``weights`` (default FLOPs),
@@ -533,11 +553,7 @@ def contiguous_stages(graph: OpGraph, pp: int, weights: np.ndarray | None = None
     w = w[order] + 1e-12
     cum = np.cumsum(w)
     total = cum[-1]
-    layers = layer_ids(graph)[order]
-    cand = [k for k in range(1, len(order)) if layers[k] != layers[k - 1]]
-    if len(cand) < pp - 1:
-        cand = list(range(1, len(order)))
-    cand_arr = np.array(cand)
+    cand_arr = stage_cuts(graph, pp)
     cuts: list[int] = []
     bounds = np.arange(1, pp) / pp if shares is None else np.cumsum(shares)[:-1] / np.sum(shares)
     for s in range(1, pp):

@@ -260,3 +260,33 @@ def test_replicate_needs_its_capability_bit():
     assert (OpGraph.from_dict(old).layout_caps == 0).all()
     old["nodes"][0]["layout_caps"] = 1
     assert OpGraph.from_dict(old).layout_caps[0] == 1 | 8
+
+
+def test_environment_counts_a_workloads_memory_as_the_placers_do(tmp_path):
+    """The placement environment's plans, memory estimates and reference plans for an imported workload
+    use the workload's memory model (fp32, 4 B per parameter: one byte per stated byte), as the placers'
+    plans do; with mixed-precision Adam's 16 B the four nodes below would overflow the accelerator."""
+    from agent.placers import run_placer
+    from envs.evaluator import CachedSimulation
+    from envs.placement.env import PlacementEnv
+    from envs.placement.task_setup import reference_plans
+    from envs.plan import plan_defaults
+    from envs.tasks import Task
+
+    nodes = [_node(i, 1.0, 10.0, size=20.0) for i in range(4)]  # 80 of an accelerator's 100
+    edges = [{"sourceId": i, "destId": i + 1, "cost": 1.0, "size": 1.0} for i in range(3)]
+    graph, topo = import_workload(_write(tmp_path, nodes, edges))
+    task = Task(graph, topo)
+    env = PlacementEnv([task], mode="refine", max_nodes=4, coarsen=False, objective="throughput")
+    env.reset(seed=0)
+    prep = env.prepared
+    assert plan_defaults(graph) == {"dtype": "fp32", "state_bytes_per_param": 4.0}
+    assert prep.states.sum() == pytest.approx(graph.param_bytes.sum())
+    plan = prep.plan(np.zeros(4, dtype=np.int64), 1, "1f1b", 1, "test")  # everything on accelerator 0
+    assert (plan.dtype, plan.state_bytes_per_param) == ("fp32", 4.0)
+    assert all(p.state_bytes_per_param == 4.0 for p in reference_plans(graph, task, prep.dtype).values())
+    ev = CachedSimulation()
+    mine = ev.evaluate(graph, topo, plan, "throughput")
+    theirs = ev.evaluate(graph, topo, run_placer("single_device", graph, topo), "throughput")
+    assert not mine.oom and mine.peak_memory.max() == pytest.approx(theirs.peak_memory.max())
+    assert not prep.start.result.oom

@@ -19,7 +19,7 @@ import numpy as np
 from envs.errors import PlanError, RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
-from envs.plan import ADAM_MIXED_BYTES_PER_PARAM, DTYPE_BYTES, Plan
+from envs.plan import DTYPE_BYTES, Plan, plan_defaults
 from envs.sim import OBJECTIVES, node_times
 from envs.topology import Topology
 
@@ -70,15 +70,6 @@ class Budget:
 
 
 # ---------------------------------------------------------------------- scoring
-def plan_defaults(graph: OpGraph) -> dict:
-    """dtype and optimizer-state bytes of the plans placers build for ``graph`` (imported
-    dnn-partitioning workloads count memory as one byte per stored byte: fp32, 4 B per parameter)."""
-    if graph.meta.get("source") == "dnn-partitioning":
-        return {"dtype": "fp32", "state_bytes_per_param": 4.0}
-    dtype = graph.dtype if graph.dtype in DTYPE_BYTES else "bf16"
-    return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
-
-
 @dataclass
 class Outcome:
     """What the Scorer says about one plan: its objective value and the evaluation it came from."""

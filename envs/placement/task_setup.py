@@ -31,8 +31,8 @@ from envs.placement.list_schedule import favourite_parents, list_schedule
 from envs.placement.observation import GroupStats, static_features
 from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order
 from envs.placement.reward import plan_reward
+from envs.placement.stage_partition import bottleneck_stages
 from envs.plan import (
-    ADAM_MIXED_BYTES_PER_PARAM,
     DTYPE_BYTES,
     LAYOUTS,
     RECOMPUTE,
@@ -42,7 +42,9 @@ from envs.plan import (
     contiguous_stages,
     expert_layers,
     megatron_layouts,
+    plan_defaults,
     sequence_splittable,
+    stage_cuts,
     standard_plans,
 )
 from envs.tasks import Task
@@ -106,6 +108,7 @@ class PreparedTask:
     in_bytes: np.ndarray
     static: dict[str, np.ndarray]  # the STATIC_KEYS observation arrays
     dtype: str
+    state_bytes_per_param: float  # envs.plan.plan_defaults: what the placers' plans count too
     dev_frac: np.ndarray  # [P, nd] 1/|group| on members
     dev_f: np.ndarray  # [P, nd] float multi-hot
     dev_inf: np.ndarray  # [P, nd] 0 on members, inf elsewhere (for min-headroom)
@@ -145,6 +148,7 @@ class PreparedTask:
         plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[int(opts.layout[o])] for o in op_place],
                     dp=dp, recompute=recompute, zero=zero, ep=ep, microbatches=microbatches, schedule=schedule,
                     virtual_stages=virtual_stages, global_batch=self.task.global_batch, dtype=self.dtype,
+                    state_bytes_per_param=self.state_bytes_per_param,
                     provenance={"placer": placer, "task": self.task.name})
         if ep.max(initial=1) > 1:
             _drop_invalid_expert_parallelism(plan, fine, self.ops["expert_layer"])
@@ -200,14 +204,15 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     topo = task.topology
     check_fits_padding(task, settings, who)
     graph, grouping = coarsened(task, settings, who)
-    dtype = graph.dtype if graph.dtype in DTYPE_BYTES else "bf16"
+    defaults = plan_defaults(task.graph)
+    dtype = defaults["dtype"]
     options = option_table(task, dtype, settings, who)
     class_of, members, caps = colocation_classes(graph)
     ops = operator_facts(task.graph)
     stats = group_stats(task.graph, graph, grouping, ops)
     allowed = options.allowed(caps, stats.seq_ok)
     mb_counts, mb_valid, mb_ok = microbatch_masks(task.global_batch, settings.microbatch_choices, options, who)
-    states, need = model_states(graph, members, settings.objective)
+    states, need = model_states(graph, members, settings.objective, defaults["state_bytes_per_param"])
     capacity = np.array([d.memory_bytes for d in topo.devices], dtype=np.float64)
     check_memory(graph, states, need, capacity, allowed, options, who)
     speed, time_single = roofline_speed(graph, topo, options, dtype)
@@ -222,7 +227,8 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     return PreparedTask(task=task, graph=graph, grouping=grouping, options=options, order=order, allowed=allowed,
                         mb_ok=mb_ok, mb_valid=mb_valid, mb_counts=mb_counts, need=need, states=states, class_of=class_of,
                         class_members=members, capacity=capacity, speed=speed, time_single=time_single,
-                        preds=preds, in_bytes=in_bytes, static=static, dtype=dtype, dev_frac=dev_f / sizes,
+                        preds=preds, in_bytes=in_bytes, static=static, dtype=dtype,
+                        state_bytes_per_param=defaults["state_bytes_per_param"], dev_frac=dev_f / sizes,
                         dev_f=dev_f, dev_inf=np.where(options.devices, 0.0, np.inf), stats=stats,
                         modifier_ok=modifier_ok, zero_factor=zero_factor, act_div=act_div, act_kept=act_kept,
                         time_factor=time_factor, ops=ops)
@@ -340,14 +346,15 @@ def microbatch_masks(batch: int, choices: tuple[int, ...], options: OptionTable,
     return counts, mb_valid, mb_ok
 
 
-def model_states(graph: OpGraph, members: list[np.ndarray], objective: str) -> tuple[np.ndarray, np.ndarray]:
-    """(model-state bytes per node, the same summed over each co-location class): mixed-precision Adam's
-    16 bytes per parameter, or the parameter bytes alone for ``latency`` (inference) and graphs whose
-    memory model says so."""
+def model_states(graph: OpGraph, members: list[np.ndarray], objective: str,
+                 state_bytes_per_param: float) -> tuple[np.ndarray, np.ndarray]:
+    """(model-state bytes per node, the same summed over each co-location class): the plans'
+    ``state_bytes_per_param`` (mixed-precision Adam's 16, :func:`envs.plan.plan_defaults`), or the
+    parameter bytes alone for ``latency`` (inference) and graphs whose memory model says so."""
     if objective == "latency" or graph.meta.get("memory_model") == "param_bytes":
         states = graph.param_bytes.copy()
     else:
-        states = graph.param_bytes / DTYPE_BYTES.get(graph.dtype, 2) * ADAM_MIXED_BYTES_PER_PARAM
+        states = graph.param_bytes / DTYPE_BYTES.get(graph.dtype, 2) * state_bytes_per_param
     need = states.copy()
     for mem in members:
         need[mem] = states[mem].sum()
@@ -462,7 +469,9 @@ def reference_plans(graph: OpGraph, task: Task, dtype: str) -> dict[str, Plan]:
     """:func:`envs.plan.standard_plans`' single-device and data-parallel plans (the latter when some
     hierarchy group divides the batch) on ``graph``, by template name (:data:`REFERENCE_PLANS`)."""
     plans = standard_plans(graph, task.topology, global_batch=task.global_batch, dtype=dtype).values()
-    return {pl.provenance["placer"]: pl for pl in plans if pl.provenance.get("placer") in REFERENCE_PLANS}
+    sbp = plan_defaults(task.graph)["state_bytes_per_param"]
+    return {pl.provenance["placer"]: pl.copy(state_bytes_per_param=sbp) for pl in plans
+            if pl.provenance.get("placer") in REFERENCE_PLANS}
 
 
 def reference(prep: PreparedTask, scoring: Scoring) -> dict:
@@ -682,10 +691,16 @@ def single_device_times(prep: PreparedTask) -> tuple[np.ndarray, np.ndarray, np.
 
 def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """GPipe-style pipelines (Huang et al., 2019): the groups' topological order cut into k contiguous
-    stages (:func:`envs.plan.contiguous_stages`, cuts between layers where the graph has them), stage i
-    on the i-th fastest device that may hold every group (ties in device order, so neighbouring stages
-    share a host), each stage's share of the work proportional to its device's speed (PipeDream's
-    balance on heterogeneous devices, Narayanan et al., SOSP 2019); k = 2, 4, 8, ... and all of them."""
+    stages, stage i on the i-th fastest device that may hold every group (ties in device order, so
+    neighbouring stages share a host), k = 2, 4, 8, ... and all of them; cuts between layers where the
+    graph has them (:func:`envs.plan.stage_cuts`). A group's time on a stage is its roofline time on the
+    stage's device, so a faster device takes more work (PipeDream's balance, Narayanan et al., SOSP 2019).
+    Two cuts per k: each stage's share of the work near its device's share of the speed
+    (:func:`envs.plan.contiguous_stages`; it spreads the work evenly but ignores memory), and, where it
+    differs, the smallest bottleneck stage time that fits in memory
+    (:func:`envs.placement.stage_partition.bottleneck_stages`; a stage holds its groups' model states plus
+    the activations 1F1B keeps in flight there, the first of k stages the most, at the largest
+    microbatch count the batch allows; none when no cut fits)."""
     single, ok, tau = single_device_times(prep)
     usable = np.flatnonzero(ok.all(axis=0))
     n = prep.graph.num_nodes
@@ -694,10 +709,35 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     total = tau.sum(axis=0)  # each device's time for all groups (inf: it may not hold some)
     devs = usable[np.argsort(total[usable], kind="stable")]
     counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
+    # the min-max cut moves placement units (a co-located class goes where its first member in the
+    # topological order goes, e.g. a layer's backward with its forward), each weighing its members' sums
+    order = prep.graph.topological_order()
+    unit = np.arange(n)
+    for mem in prep.class_members:
+        unit[mem] = mem[np.argmin(np.argsort(order)[mem])]
+    leader_pos = np.flatnonzero(unit[order] == order)  # where in the order each unit's leader sits
+    leaders = order[leader_pos]
+    m = int(prep.mb_counts[prep.mb_valid].max())
+    activations = prep.act_kept[:, 0] * (prep.task.global_batch / max(int(prep.graph.batch_size), 1) / m)
+    unit_tau = np.zeros((n, tau.shape[1]))
+    np.add.at(unit_tau, unit, tau)
+    unit_states = np.bincount(unit, weights=prep.states, minlength=n)[leaders]
+    unit_activations = np.bincount(unit, weights=activations, minlength=n)[leaders]
     out = {}
     for k in (k for k in counts if k <= n):
-        stage = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]], shares=total[devs[0]] / total[devs[:k]])
-        out[f"pipeline {k} stages"] = single[devs[stage]] * N_MODIFIERS
+        even = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]], shares=total[devs[0]] / total[devs[:k]])
+        out[f"pipeline {k} stages"] = single[devs[even]] * N_MODIFIERS
+        in_flight = np.minimum(m, k - np.arange(k))  # 1F1B: stage s keeps min(m, k - s) microbatches
+        memory = unit_states[:, None] + unit_activations[:, None] * in_flight[None, :]
+        cuts = np.unique(np.searchsorted(leader_pos, stage_cuts(prep.graph, k)))  # as positions among leaders
+        leader_stage = bottleneck_stages(unit_tau[leaders][:, devs[:k]], memory, prep.capacity[devs[:k]], cuts)
+        if leader_stage is None:
+            continue
+        stage_of = np.empty(n, dtype=np.int64)
+        stage_of[leaders] = leader_stage
+        stage = stage_of[unit]
+        if not np.array_equal(stage, even):
+            out[f"pipeline {k} stages min-max"] = single[devs[stage]] * N_MODIFIERS
     return out
 
 
