@@ -284,7 +284,7 @@ def test_environment_counts_a_workloads_memory_as_the_placers_do(tmp_path):
     assert prep.states.sum() == pytest.approx(graph.param_bytes.sum())
     plan = prep.plan(np.zeros(4, dtype=np.int64), 1, "1f1b", 1, "test")  # everything on accelerator 0
     assert (plan.dtype, plan.state_bytes_per_param) == ("fp32", 4.0)
-    assert all(p.state_bytes_per_param == 4.0 for p in reference_plans(graph, task, prep.dtype).values())
+    assert all(p.state_bytes_per_param == 4.0 for p in reference_plans(graph, task).values())
     ev = CachedSimulation()
     mine = ev.evaluate(graph, topo, plan, "throughput")
     theirs = ev.evaluate(graph, topo, run_placer("single_device", graph, topo), "throughput")

@@ -648,9 +648,9 @@ def test_pipeline_starts_cut_the_order_into_balanced_stages_on_the_fastest_devic
         assert load.max() < 1.5 * load.sum() / k + tau[:, 0].max()  # balanced up to one group
         if name.endswith("min-max"):  # cuts only between layers, and the smallest bottleneck among them
             assert set((np.flatnonzero(np.diff(device)) + 1).tolist()) <= set(stage_cuts(prep.graph, k).tolist())
-            even = np.searchsorted(single, starts[name[:-len(" min-max")]][order] // N_MODIFIERS)
-            if set((np.flatnonzero(np.diff(even)) + 1).tolist()) <= set(stage_cuts(prep.graph, k).tolist()):
-                assert load.max() <= np.bincount(even, weights=tau[order, 0]).max() * (1 + 1e-6)
+            even_device = np.searchsorted(single, starts[name[:-len(" min-max")]][order] // N_MODIFIERS)
+            if set((np.flatnonzero(np.diff(even_device)) + 1).tolist()) <= set(stage_cuts(prep.graph, k).tolist()):
+                assert load.max() <= np.bincount(even_device, weights=tau[order, 0]).max() * (1 + 1e-6)
     assert set(starts) <= set(start_assignments(prep))
 
 

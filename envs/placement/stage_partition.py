@@ -48,7 +48,7 @@ def bottleneck_stages(time: np.ndarray, memory: np.ndarray, capacity: np.ndarray
         for s in range(k):
             base_t = cum_t[start, s] if start >= 0 else 0.0
             base_m = cum_m[start, s] if start >= 0 else 0.0
-            last = ends.size - 1 if s == k - 1 else ends.size - 1 - (k - 1 - s)  # leave one end per later stage
+            last = ends.size - 1 - (k - 1 - s)  # leave one end per later stage
             ok_t = np.searchsorted(cum_t[:, s], base_t + limit, side="right") - 1
             ok_m = np.searchsorted(cum_m[:, s], base_m + capacity[s], side="right") - 1
             end = min(last, int(ok_t), int(ok_m))

@@ -465,13 +465,14 @@ class Scoring:
         return self.evaluator.evaluate(prep.graph, prep.task.topology, prep.coarse_plan(plan), self.objective)
 
 
-def reference_plans(graph: OpGraph, task: Task, dtype: str) -> dict[str, Plan]:
+def reference_plans(graph: OpGraph, task: Task) -> dict[str, Plan]:
     """:func:`envs.plan.standard_plans`' single-device and data-parallel plans (the latter when some
-    hierarchy group divides the batch) on ``graph``, by template name (:data:`REFERENCE_PLANS`)."""
-    plans = standard_plans(graph, task.topology, global_batch=task.global_batch, dtype=dtype).values()
-    sbp = plan_defaults(task.graph)["state_bytes_per_param"]
-    return {pl.provenance["placer"]: pl.copy(state_bytes_per_param=sbp) for pl in plans
-            if pl.provenance.get("placer") in REFERENCE_PLANS}
+    hierarchy group divides the batch) on ``graph``, by template name (:data:`REFERENCE_PLANS`), with the
+    task's :func:`envs.plan.plan_defaults`."""
+    defaults = plan_defaults(task.graph)
+    plans = standard_plans(graph, task.topology, global_batch=task.global_batch, dtype=defaults["dtype"]).values()
+    return {pl.provenance["placer"]: pl.copy(state_bytes_per_param=defaults["state_bytes_per_param"])
+            for pl in plans if pl.provenance.get("placer") in REFERENCE_PLANS}
 
 
 def reference(prep: PreparedTask, scoring: Scoring) -> dict:
@@ -481,7 +482,7 @@ def reference(prep: PreparedTask, scoring: Scoring) -> dict:
     if prep.ref is not None:
         return prep.ref
     g, topo = scoring.graph(prep), prep.task.topology
-    plans = reference_plans(g, prep.task, prep.dtype)
+    plans = reference_plans(g, prep.task)
     results = {k: scoring.evaluator.evaluate(g, topo, pl, scoring.objective) for k, pl in plans.items()}
     fitting = {k: r for k, r in results.items() if not r.oom}
     pool = fitting or results
@@ -548,7 +549,7 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     the table offers); and the groups on single devices: list-scheduled (:func:`list_schedule_assignments`)
     and cut into balanced pipeline stages (:func:`pipeline_assignments`), the operator placements
     multi-branch graphs and pipelines want."""
-    plans = reference_plans(prep.task.graph, prep.task, prep.dtype)
+    plans = reference_plans(prep.task.graph, prep.task)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
@@ -712,15 +713,18 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     # the min-max cut moves placement units (a co-located class goes where its first member in the
     # topological order goes, e.g. a layer's backward with its forward), each weighing its members' sums
     order = prep.graph.topological_order()
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
     unit = np.arange(n)
     for mem in prep.class_members:
-        unit[mem] = mem[np.argmin(np.argsort(order)[mem])]
+        unit[mem] = mem[np.argmin(rank[mem])]
     leader_pos = np.flatnonzero(unit[order] == order)  # where in the order each unit's leader sits
     leaders = order[leader_pos]
     m = int(prep.mb_counts[prep.mb_valid].max())
     activations = prep.act_kept[:, 0] * (prep.task.global_batch / max(int(prep.graph.batch_size), 1) / m)
     unit_tau = np.zeros((n, tau.shape[1]))
     np.add.at(unit_tau, unit, tau)
+    unit_tau = unit_tau[leaders]
     unit_states = np.bincount(unit, weights=prep.states, minlength=n)[leaders]
     unit_activations = np.bincount(unit, weights=activations, minlength=n)[leaders]
     out = {}
@@ -730,7 +734,7 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         in_flight = np.minimum(m, k - np.arange(k))  # 1F1B: stage s keeps min(m, k - s) microbatches
         memory = unit_states[:, None] + unit_activations[:, None] * in_flight[None, :]
         cuts = np.unique(np.searchsorted(leader_pos, stage_cuts(prep.graph, k)))  # as positions among leaders
-        leader_stage = bottleneck_stages(unit_tau[leaders][:, devs[:k]], memory, prep.capacity[devs[:k]], cuts)
+        leader_stage = bottleneck_stages(unit_tau[:, devs[:k]], memory, prep.capacity[devs[:k]], cuts)
         if leader_stage is None:
             continue
         stage_of = np.empty(n, dtype=np.int64)
