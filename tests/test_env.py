@@ -715,3 +715,28 @@ def test_option_table_adds_the_largest_group_an_uneven_batch_splits_over():
     env.reset(seed=0)
     starts = data_parallel_assignments(env.prepared)
     assert "data parallel a100-80g x15" in starts
+
+
+def test_show_assignment_builds_the_loads_once_per_plan(small_tasks):
+    """Showing one plan with each group in turn (a guided-search round) rebuilds the per-device loads
+    once; every observation equals the one a fresh environment shows for that plan and group."""
+    task = small_tasks[0]
+    env = PlacementEnv([task], mode="refine", seed=0)
+    env.reset(options={"task": task})
+    rng = np.random.default_rng(0)
+    actions = np.flatnonzero(env.action_masks())
+    n = len(env.assignment)
+    plans = [np.asarray(env.assignment).copy(), rng.choice(actions, size=n)]
+    reload, reloads = env._reload, []
+    env._reload = lambda: (reloads.append(1), reload())
+    for assign in plans:
+        for v in rng.permutation(n)[:6].tolist():
+            shown = env.show_assignment(assign, v, (0, 1, 0))
+            fresh = PlacementEnv([task], mode="refine", seed=0)
+            fresh.reset(options={"task": task})
+            expected = fresh.show_assignment(assign, v, (0, 1, 0))
+            assert shown.keys() == expected.keys()
+            for k in shown:
+                np.testing.assert_array_equal(shown[k], expected[k], err_msg=k)
+            np.testing.assert_array_equal(env.action_masks(), fresh.action_masks())
+    assert len(reloads) == len(plans)

@@ -64,6 +64,46 @@ def test_without_the_policy_it_is_mcmc(task):
     assert res.plan.key() == plain.key() and res.policy_proposals == 0
 
 
+def test_policy_moves_are_proposed_once_per_plan_and_scored_once(task, monkeypatch):
+    """Annealing returns to plans it left: from a plan, each (group, action) move is tried once and each
+    group's distribution computed once however often the chain comes back."""
+    from collections import Counter
+
+    import agent.guided_search as gs
+
+    moves, scored = Counter(), Counter()
+    apply, distributions = gs.PolicyProposer.apply, gs.PolicyProposer.distributions
+
+    def counting_apply(self, plan, v, a):
+        moves[(gs.digest(plan), self.assign.tobytes(), v, a)] += 1
+        return apply(self, plan, v, a)
+
+    def counting_distributions(self, groups):
+        for v in groups:
+            scored[(id(self.untried), v)] += 1  # the moves tried from the current plan
+        return distributions(self, groups)
+
+    monkeypatch.setattr(gs.PolicyProposer, "apply", counting_apply)
+    monkeypatch.setattr(gs.PolicyProposer, "distributions", counting_distributions)
+    res = _search(task, seed=4, evaluations=150, policy_fraction=1.0)
+    assert res.evaluations == 150 and res.policy_proposals > 0
+    assert moves and max(moves.values()) == 1
+    assert scored and max(scored.values()) == 1
+
+
+def test_when_the_policy_has_nothing_new_the_move_is_mcmcs(task, monkeypatch):
+    """A policy-only search whose proposer finds no new plan makes ordinary MCMC moves instead: it spends
+    its budget, on MCMC's own trajectory for the seed."""
+    import agent.guided_search as gs
+    from agent.placers.search import mcmc
+
+    monkeypatch.setattr(gs.PolicyProposer, "propose", lambda self, plan, rng, seen: (None, None))
+    res = _search(task, seed=5, evaluations=40, policy_fraction=1.0)
+    plain = mcmc(task["graph"], task["topology"], seed=5, budget=40, start=task["start"].plan.copy())
+    assert res.evaluations == 40 and res.policy_proposals == 0 and res.mcmc_proposals > 0
+    assert res.plan.key() == plain.key()
+
+
 @pytest.mark.parametrize("kw, match", [({}, "time budget"), ({"seconds": -1.0}, "seconds"),
                                        ({"evaluations": 0}, "evaluations"),
                                        ({"evaluations": 5, "policy_fraction": 1.5}, "policy_fraction")])

@@ -182,6 +182,7 @@ class PlacementEnv(gym.Env):
         self._placer = f"rlplace-env/{mode}"
         self._init_seed = seed
         self._seeded = False
+        self._shown: tuple | None = None  # (assignment bytes, globals) whose loads show_assignment last built
         self._cache: OrderedDict[int, PreparedTask] = OrderedDict()
         self._cache_size = max(1, int(task_cache_size))
 
@@ -228,6 +229,7 @@ class PlacementEnv(gym.Env):
             seed = self._init_seed
         super().reset(seed=seed)
         self._seeded = True
+        self._shown = None
         options = options or {}
         if "task" in options:
             task = options["task"]
@@ -292,6 +294,7 @@ class PlacementEnv(gym.Env):
             raise RlplaceError("call reset() before step()")
         if self._t >= self._horizon:
             raise RlplaceError("episode is over; call reset()")
+        self._shown = None
         a = int(action)
         info_extra = {}
         if not (0 <= a < self.n_actions and self._mask[a]):
@@ -616,10 +619,14 @@ class PlacementEnv(gym.Env):
         if a.shape != (self._n,) or a.min() < 0 or a.max() >= self._p.num_actions:
             raise EnvError(f"show_assignment: need {self._n} action ids below {self._p.num_actions}")
         if globals_ is not None:
-            self._mb_idx, self._sched, self._vs = (int(x) for x in globals_)
-            self._assign[:] = a
-            self._reload()
+            shown = (a.tobytes(), tuple(int(x) for x in globals_))
+            if shown != self._shown:  # the loads of the plan last shown are still in place otherwise
+                self._mb_idx, self._sched, self._vs = shown[1]
+                self._assign[:] = a
+                self._reload()
+                self._shown = shown
         else:
+            self._shown = None
             for v in np.flatnonzero(a != self._assign).tolist():
                 self._take(v)
                 self._put(v, int(a[v]))
