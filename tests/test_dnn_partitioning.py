@@ -290,3 +290,24 @@ def test_environment_counts_a_workloads_memory_as_the_placers_do(tmp_path):
     theirs = ev.evaluate(graph, topo, run_placer("single_device", graph, topo), "throughput")
     assert not mine.oom and mine.peak_memory.max() == pytest.approx(theirs.peak_memory.max())
     assert not prep.start.result.oom
+
+
+def test_a_node_without_work_is_equally_fast_on_every_placement(tmp_path):
+    """A zero-latency workload node (no FLOPs or bytes; the workload's devices have no launch overhead)
+    gets speed feature 0 on every placement, not log2(0) clipped to -12, and without a numpy warning."""
+    import warnings
+
+    from envs.placement.env import PlacementEnv
+    from envs.tasks import Task
+
+    nodes = [_node(0, 1.0, 10.0), _node(1, 0.0, 0.0), _node(2, 2.0, 5.0)]
+    edges = [{"sourceId": i, "destId": i + 1, "cost": 1.0, "size": 1.0} for i in range(2)]
+    graph, topo = import_workload(_write(tmp_path, nodes, edges))
+    env = PlacementEnv([Task(graph, topo)], mode="refine", max_nodes=3, coarsen=False, objective="throughput")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        env.reset(seed=0)
+    speed = env.prepared.speed
+    idle = int(np.flatnonzero(graph.fwd_flops + graph.bwd_flops + graph.mem_bytes == 0)[0])
+    assert (speed[idle] == 0).all()
+    assert (np.delete(speed, idle, axis=0) != 0).any()  # the others still differ by placement

@@ -392,7 +392,9 @@ def roofline_speed(graph: OpGraph, topology, options: OptionTable, dtype: str) -
                         byt[:, None] / (min_bw[None, :] * options.speedup[None, :]))
              + 2 * graph.n_ops[:, None] * max_ov[None, :])
     t_single = t_opt[:, fastest]
-    speed = np.clip(np.log2(t_opt / np.maximum(t_single[:, None], 1e-30)), -12, 12).astype(np.float32)
+    # a node with no work (no FLOPs, bytes or ops, e.g. a zero-latency workload node) is as fast anywhere
+    ratio = np.divide(t_opt, t_single[:, None], out=np.ones_like(t_opt), where=t_single[:, None] > 0)
+    speed = np.clip(np.log2(np.maximum(ratio, 2.0 ** -12)), -12, 12).astype(np.float32)
     return speed, t_single
 
 
