@@ -32,7 +32,8 @@ scored once (later rounds reuse its distribution) and a move is proposed once: t
 without replacement from the policy's distribution at that plan. A policy move that would re-create a
 plan the search has already scored is skipped (a near-deterministic policy otherwise re-proposes the
 same moves, spending the budget on cache hits), and a round with nothing new left gives an ordinary
-MCMC move instead. Measured on a 24-operator chain (``mlp-chain@pcie-4gpu``) in 20 s: without the
+MCMC move instead — except at ``policy_fraction=1``, where every move stays a policy move (expert
+iteration's searches rely on it: every plan they visit is one the environment expresses). Measured on a 24-operator chain (``mlp-chain@pcie-4gpu``) in 20 s: without the
 reuse and the fallback, about 15 rebuilt moves and one re-scored round per new plan held the search to
 about 800 evaluations; with them it makes about 6,000. The remaining ``1 - policy_fraction`` of the
 proposals are ``_propose``'s (block moves, microbatches, schedule, recomputation, ZeRO, sequence
@@ -269,8 +270,8 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
         tries += 1
         guided = proposer is not None and (policy_fraction >= 1.0 or rng.random() < policy_fraction)
         cand, move = proposer.propose(cur, rng, seen) if guided else (None, None)
-        if cand is None:  # an MCMC move, or the policy's round had nothing new: an MCMC move instead
-            guided, cand = False, _propose(space, cur, rng)
+        if cand is None and (not guided or policy_fraction < 1.0):  # an MCMC move, also when the policy's
+            guided, cand = False, _propose(space, cur, rng)       # round had nothing new (unless policy-only)
         if cand is None:
             continue
         counts["policy" if guided else "mcmc"] += 1

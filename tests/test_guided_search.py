@@ -92,16 +92,15 @@ def test_policy_moves_are_proposed_once_per_plan_and_scored_once(task, monkeypat
 
 
 def test_when_the_policy_has_nothing_new_the_move_is_mcmcs(task, monkeypatch):
-    """A policy-only search whose proposer finds no new plan makes ordinary MCMC moves instead: it spends
-    its budget, on MCMC's own trajectory for the seed."""
+    """A search whose proposer finds no new plan makes ordinary MCMC moves instead and spends its budget;
+    a policy-only search (``policy_fraction=1``, expert iteration's) never makes an MCMC move."""
     import agent.guided_search as gs
-    from agent.placers.search import mcmc
 
     monkeypatch.setattr(gs.PolicyProposer, "propose", lambda self, plan, rng, seen: (None, None))
-    res = _search(task, seed=5, evaluations=40, policy_fraction=1.0)
-    plain = mcmc(task["graph"], task["topology"], seed=5, budget=40, start=task["start"].plan.copy())
+    res = _search(task, seed=5, evaluations=40, policy_fraction=0.7)
     assert res.evaluations == 40 and res.policy_proposals == 0 and res.mcmc_proposals > 0
-    assert res.plan.key() == plain.key()
+    res = _search(task, seed=5, evaluations=40, policy_fraction=1.0)
+    assert res.policy_proposals == 0 and res.mcmc_proposals == 0 and res.plan.key() == task["start"].plan.key()
 
 
 @pytest.mark.parametrize("kw, match", [({}, "time budget"), ({"seconds": -1.0}, "seconds"),
