@@ -29,13 +29,15 @@ count), but a fraction ``policy_fraction`` of the proposals comes from the polic
 A round ends when a move is accepted (the distributions are stale then), after ``groups_per_round``
 proposals, or when an ordinary MCMC move changes the plan. While the current plan stays, a group is
 scored once (later rounds reuse its distribution) and a move is proposed once: the moves are drawn
-without replacement from the policy's distribution at that plan. A policy move that would re-create a
-plan the search has already scored is skipped (a near-deterministic policy otherwise re-proposes the
-same moves, spending the budget on cache hits), and a round with nothing new left gives an ordinary
-MCMC move instead — except at ``policy_fraction=1``, where every move stays a policy move (expert
-iteration's searches rely on it: every plan they visit is one the environment expresses). Measured on a 24-operator chain (``mlp-chain@pcie-4gpu``) in 20 s: without the
-reuse and the fallback, about 15 rebuilt moves and one re-scored round per new plan held the search to
-about 800 evaluations; with them it makes about 6,000. The remaining ``1 - policy_fraction`` of the
+without replacement from the policy's distribution at that plan, remembered for the last
+``UNTRIED_PLANS`` plans, as annealing keeps returning to plans it left. A policy move that would
+re-create a plan the search has already scored is skipped (a near-deterministic policy otherwise
+re-proposes the same moves, spending the budget on cache hits), and a round with nothing new left
+gives an ordinary MCMC move instead — except at ``policy_fraction=1``, where every move stays a
+policy move (expert iteration's searches rely on it: every plan they visit is one the environment
+expresses). Measured in ``rlplace place``'s 20 s on a 24-operator chain (``mlp-chain@pcie-4gpu``):
+without the memory and the fallback, about 15 rebuilt moves and one re-scored round per new plan held
+the search to 840 evaluations; with them it makes 6,066. The remaining ``1 - policy_fraction`` of the
 proposals are ``_propose``'s (block moves, microbatches, schedule, recomputation, ZeRO, sequence
 parallelism: the global knobs the refine policy never changes), so the chain can reach every plan
 plain MCMC can; with ``policy_fraction=0`` it *is* ``mcmc``'s trajectory for the same seed.
@@ -119,12 +121,13 @@ class PolicyProposer:
             self.dev_s, self.node_s = self.fe.static_embeddings(self.static)
         self.assign = np.zeros(self.n, dtype=np.int64)
         self.globals = (0, 1, 0)
-        self.round: list[tuple[int, np.ndarray]] = []  # (group, probabilities over the untried other actions)
-        # per group, the policy's distribution at the current plan with the current and the tried actions
-        # zeroed: a group is scored once per plan and a move is proposed once from it (sampling without
-        # replacement); kept for the last UNTRIED_PLANS plans, as annealing returns to plans it left
-        self.untried: dict[int, np.ndarray] = {}
-        self.untried_at: OrderedDict[bytes, dict[int, np.ndarray]] = OrderedDict()  # per plan visited
+        # per group, the policy's distribution at the current plan over its allowed actions other than the
+        # current one, (action ids, probabilities), a tried action's probability zeroed: a group is scored
+        # once per plan and a move proposed once from it (sampling without replacement); kept for the
+        # last UNTRIED_PLANS plans, as annealing returns to plans it left
+        self.untried: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.untried_at: OrderedDict[bytes, dict[int, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
+        self.round: list[tuple[int, np.ndarray, np.ndarray]] = []  # this round's groups with untried moves
 
     @property
     def coarse_evaluations(self) -> int:
@@ -198,8 +201,9 @@ class PolicyProposer:
         for v, p in zip(fresh, self.distributions(fresh) if fresh else []):
             other = p.copy()
             other[self.assign[v]] = 0.0
-            self.untried[v] = other
-        self.round = [(v, self.untried[v]) for v in groups if self.untried[v].sum() > 0]
+            ids = np.flatnonzero(other)
+            self.untried[v] = (ids, other[ids])
+        self.round = [(v, *self.untried[v]) for v in groups if self.untried[v][1].sum() > 0]
 
     def propose(self, plan: Plan, rng: np.random.Generator,
                 seen: set[bytes]) -> tuple[Plan | None, tuple[int, int] | None]:
@@ -209,11 +213,12 @@ class PolicyProposer:
         if not self.round:
             self.new_round(rng)
         while self.round:
-            w = np.array([p.sum() for _, p in self.round])
+            w = np.array([p.sum() for _, _, p in self.round])
             i = int(rng.choice(len(self.round), p=w / w.sum()))
-            v, p = self.round.pop(i)
-            o = int(rng.choice(p.size, p=p / p.sum()))
-            p[o] = 0.0  # proposed once per current plan
+            v, ids, p = self.round.pop(i)
+            j = int(rng.choice(p.size, p=p / p.sum()))
+            p[j] = 0.0  # proposed once from this plan
+            o = int(ids[j])
             cand = self.apply(plan, v, o)
             if cand is not None and digest(cand) not in seen:
                 return cand, (v, o)
@@ -270,8 +275,8 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
         tries += 1
         guided = proposer is not None and (policy_fraction >= 1.0 or rng.random() < policy_fraction)
         cand, move = proposer.propose(cur, rng, seen) if guided else (None, None)
-        if cand is None and (not guided or policy_fraction < 1.0):  # an MCMC move, also when the policy's
-            guided, cand = False, _propose(space, cur, rng)       # round had nothing new (unless policy-only)
+        if cand is None and (not guided or policy_fraction < 1.0):  # also when the policy had nothing new
+            guided, cand = False, _propose(space, cur, rng)
         if cand is None:
             continue
         counts["policy" if guided else "mcmc"] += 1
