@@ -14,7 +14,9 @@ families x sizes x random clusters, :mod:`agent.distribution`) trains like this,
                   samples), then a search from the best of them with group moves in the action space (the
                   policy's moves; uniform ones in round 0); a plan beating the dataset's best is a new row
         distil:   replay every task's target in the environment and behaviour-clone the whole decision
-                  sequence (agent.imitation; cross-entropy + value regression)
+                  sequence (agent.imitation; cross-entropy + value regression); with
+                  ``distill_on_policy_states``, also the target's actions on the states of the policy's
+                  own greedy rollout (DAgger: where a clone that strays from its teacher ends up)
         improve:  PPO with self-imitation (agent.self_imitation) on the training tasks, the targets counting
                   as known bests
         evaluate: on the held-out families, the policy's best of greedy + samples vs the best fast
@@ -358,7 +360,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
             if not state.done(r, "distill"):
                 stats = distil(model, tasks, goal, cfg.env, epochs=ei.distill_epochs,
                                batch_size=ei.distill_batch_size, learning_rate=ei.distill_learning_rate,
-                               seed=cfg.seed + r, log=log)
+                               seed=cfg.seed + r, log=log, on_policy_states=ei.distill_on_policy_states)
                 state.mark(r, "distill", str(_checkpoint(model, run, r, "distill")), stats)
             if not state.done(r, "ppo") and ei.ppo_steps > 0:
                 stats, found = improve(model, cfg, run, tasks, goal, steps=ei.ppo_steps, progress=progress, log=log,
@@ -416,23 +418,33 @@ def placeable(dataset, rows: Sequence[dict], env_kwargs: dict, log: Callable[[st
 
 
 def distil(model, tasks: Sequence, goal: dict[str, dict], env_kwargs: dict, *, epochs: int, batch_size: int,
-           learning_rate: float, seed: int, log: Callable[[str], None]) -> dict:
-    """Behaviour-clone every task's target (the whole decision sequence of its replay)."""
+           learning_rate: float, seed: int, log: Callable[[str], None], on_policy_states: bool = False) -> dict:
+    """Behaviour-clone every task's target (the whole decision sequence of its replay); with
+    ``on_policy_states``, also the target's labels on the current policy's greedy rollout (DAgger)."""
     from agent.imitation import behaviour_clone, collect
     from envs.plan import Plan
 
     t = time.perf_counter()
     plans = {name: (row["source"], Plan.from_dict(row["plan"]), float(row["value"]), bool(row["oom"]))
              for name, row in goal.items()}
-    demos = collect([x for x in tasks if x.name in plans], env_kwargs, plans)
+    demos = collect([x for x in tasks if x.name in plans], env_kwargs, plans,
+                    learner=model if on_policy_states else None)
     t_demo = time.perf_counter() - t
     stats = behaviour_clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed,
                             learning_rate=learning_rate, log=log)
-    replay_gap = [d.heuristic_time / d.replay_time for d in demos if d.replay_time > 0]
+    teacher = [d for d in demos if np.isfinite(d.heuristic_time)]
+    replay_gap = [d.heuristic_time / d.replay_time for d in teacher if d.replay_time > 0]
+    # the policy's own greedy plans (before this distillation) against their targets, where rolled out
+    value = {name: p[2] for name, p in plans.items()}
+    own_gap = [value[d.task] / d.replay_time for d in demos if not np.isfinite(d.heuristic_time) and d.replay_time > 0]
     return {"steps": stats["steps"], "first_loss": stats.get("first_loss"), "last_loss": stats.get("last_loss"),
             "agreement": stats.get("greedy_agreement"), "demo_seconds": round(t_demo, 1),
             "seconds": round(time.perf_counter() - t, 1),
-            "replay_fidelity": float(np.exp(np.mean(np.log(replay_gap)))) if replay_gap else None}
+            "replay_fidelity": _geomean(replay_gap), "policy_vs_target": _geomean(own_gap)}
+
+
+def _geomean(ratios: list[float]) -> float | None:
+    return float(np.exp(np.mean(np.log(ratios)))) if ratios else None
 
 
 def improve(model, cfg, run: Path, tasks: Sequence, goal: dict[str, dict], *, steps: int, progress: bool,
@@ -502,8 +514,8 @@ def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids:
             "best_vs_heuristic": geo(gaps), "targets_vs_best": geo(reach),
             "new_targets": search.get("new_targets"), "search_improved": search.get("improved_dataset"),
             "distill_loss": distill.get("last_loss"), "agreement": distill.get("agreement"),
-            "replay_fidelity": distill.get("replay_fidelity"), "ppo_beat_target": ppo.get("beat_target"),
-            "zero_shot_geomean": ev.get("geomean"), "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
+            "replay_fidelity": distill.get("replay_fidelity"), "policy_vs_target": distill.get("policy_vs_target"),
+            "ppo_beat_target": ppo.get("beat_target"), "zero_shot_geomean": ev.get("geomean"), "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
             "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train"), "curves": search.get("curves")}
 
 
@@ -517,7 +529,7 @@ def _log_round(writer, report: dict, model) -> None:
     """TensorBoard ``expert_iteration/*`` scalars at the round's index (and the step count as a scalar)."""
     r = int(report["round"])
     for key in ("dataset_rows", "best_vs_heuristic", "targets_vs_best", "new_targets", "search_improved",
-                "distill_loss", "agreement", "replay_fidelity", "ppo_beat_target", "zero_shot_geomean",
+                "distill_loss", "agreement", "replay_fidelity", "policy_vs_target", "ppo_beat_target", "zero_shot_geomean",
                 "zero_shot_min", "zero_shot_wins", "train_geomean"):
         v = report.get(key)
         if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):

@@ -150,12 +150,41 @@ def replay(env, task, plan: Plan, source: str = "", heuristic_time: float = floa
     return demo
 
 
-def collect(tasks: Sequence, env_kwargs: dict, plans: dict[str, tuple[str, Plan, float, bool]]) -> list[Demonstration]:
-    """Replay ``plans`` (from :func:`best_heuristic_plans`) in an environment built like the training ones."""
+def learner_demo(env, task, plan: Plan, model, source: str = "") -> Demonstration:
+    """DAgger (Ross, Gordon & Bagnell, AISTATS 2011): one episode of ``env`` on ``task`` driven by
+    ``model``'s own greedy actions, every state labelled with the action that best expresses ``plan``
+    there (:func:`demo_action`). A cloned policy that disagrees with its teacher on a step reaches
+    states the teacher's replay never shows; these labels say how to get back to the plan from them."""
+    obs, _ = env.reset(options={"task": task})
+    target = demo_target(env.prepared, plan)
+    demo = Demonstration(task=task.name, source=f"learner toward {source}", heuristic_time=float("nan"),
+                         replay_time=float("nan"), score=float("nan"))
+    done, info = False, {}
+    while not done:
+        mask = env.action_masks()
+        demo.obs.append(obs)
+        demo.masks.append(mask)
+        demo.actions.append(demo_action(env, plan, target))
+        act, _ = model.predict(obs, action_masks=mask, deterministic=True)
+        obs, reward, done, _, info = env.step(int(act))
+        demo.rewards.append(float(reward))
+    demo.replay_time, demo.score = float(info["step_time"]), float(info["score"])
+    demo.plan, demo.oom = info["plan"], bool(info["oom"])
+    return demo
+
+
+def collect(tasks: Sequence, env_kwargs: dict, plans: dict[str, tuple[str, Plan, float, bool]],
+            learner=None) -> list[Demonstration]:
+    """Replay ``plans`` (from :func:`best_heuristic_plans`) in an environment built like the training ones;
+    with a ``learner`` model, also one :func:`learner_demo` per plan (DAgger's states)."""
     from envs.placement.env import PlacementEnv
 
     env = PlacementEnv(list(tasks), **env_kwargs)
-    return [replay(env, t, plans[t.name][1], plans[t.name][0], plans[t.name][2]) for t in tasks if t.name in plans]
+    mine = [t for t in tasks if t.name in plans]
+    demos = [replay(env, t, plans[t.name][1], plans[t.name][0], plans[t.name][2]) for t in mine]
+    if learner is not None:
+        demos += [learner_demo(env, t, plans[t.name][1], learner, plans[t.name][0]) for t in mine]
+    return demos
 
 
 BC_LEARNING_RATE = 3e-3  # cloning a fixed set of decisions: faster than PPO's steps (measured on a 8-step

@@ -145,6 +145,35 @@ def test_shipped_policy_loads_and_places():
     info["plan"].validate(tasks[0].graph, tasks[0].topology)
 
 
+def test_learner_demos_label_the_policys_own_states_with_the_targets_actions():
+    """DAgger's demonstrations: the untrained policy drives the episode (its plan, not the target's), and
+    every recorded label is the allowed action that best expresses the target in the state it reached."""
+    from agent.imitation import best_heuristic_plans, collect, demo_action, demo_target, learner_demo
+    from envs.placement.env import PlacementEnv
+
+    cfg = load_config(dict(TINY))
+    tasks = build_tasks(cfg.raw["tasks"])
+    plans = best_heuristic_plans(tasks, "step_time")
+    env = PlacementEnv(tasks, **cfg.env)
+    model = MaskablePPO(GraphPlacementPolicy, env, seed=0, device="cpu", policy_kwargs=cfg.policy, **cfg.ppo)
+    task = tasks[0]
+    plan = plans[task.name][1]
+    demo = learner_demo(env, task, plan, model, "test")
+    assert len(demo.obs) == len(demo.actions) == len(demo.masks) == len(demo.rewards) > 3
+    assert all(m[a] for m, a in zip(demo.masks, demo.actions))
+    # the labels, checked by walking the learner's own actions again
+    env.reset(options={"task": task})
+    target, labels, chosen = demo_target(env.prepared, plan), [], []
+    for obs in demo.obs:
+        labels.append(demo_action(env, plan, target))
+        act, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=True)
+        chosen.append(int(act))
+        env.step(int(act))
+    assert labels == demo.actions and chosen != labels  # an untrained policy strays from its target
+    both = collect(tasks, cfg.env, plans, learner=model)
+    assert len(both) == 2 * len(tasks) and sum(d.source.startswith("learner") for d in both) == len(tasks)
+
+
 def test_imitation_clones_the_best_heuristic(tmp_path):
     """Behaviour cloning the replayed heuristic plans lowers the cross-entropy and makes the greedy
     policy score like the demonstrations; a config's imitation section runs it and writes a report."""
