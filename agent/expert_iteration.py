@@ -432,11 +432,9 @@ def distil(model, tasks: Sequence, goal: dict[str, dict], env_kwargs: dict, *, e
     t_demo = time.perf_counter() - t
     stats = behaviour_clone(model, demos, epochs=epochs, batch_size=batch_size, seed=seed,
                             learning_rate=learning_rate, log=log)
-    teacher = [d for d in demos if np.isfinite(d.heuristic_time)]
-    replay_gap = [d.heuristic_time / d.replay_time for d in teacher if d.replay_time > 0]
+    replay_gap = [d.heuristic_time / d.replay_time for d in demos if not d.on_policy and d.replay_time > 0]
     # the policy's own greedy plans (before this distillation) against their targets, where rolled out
-    value = {name: p[2] for name, p in plans.items()}
-    own_gap = [value[d.task] / d.replay_time for d in demos if not np.isfinite(d.heuristic_time) and d.replay_time > 0]
+    own_gap = [plans[d.task][2] / d.replay_time for d in demos if d.on_policy and d.replay_time > 0]
     return {"steps": stats["steps"], "first_loss": stats.get("first_loss"), "last_loss": stats.get("last_loss"),
             "agreement": stats.get("greedy_agreement"), "demo_seconds": round(t_demo, 1),
             "seconds": round(time.perf_counter() - t, 1),
@@ -506,7 +504,8 @@ def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids:
     best, tbest = dataset.best(), targets.best()
 
     def geo(xs):
-        return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+        g = _geomean(xs)
+        return float("nan") if g is None else g
 
     gaps = [best[i]["heuristic_value"] / best[i]["value"] for i in ids["train"] if not best[i]["oom"]]
     reach = [best[i]["value"] / tbest[i]["value"] for i in ids["train"] if i in tbest and not tbest[i]["oom"]]
@@ -515,7 +514,8 @@ def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids:
             "new_targets": search.get("new_targets"), "search_improved": search.get("improved_dataset"),
             "distill_loss": distill.get("last_loss"), "agreement": distill.get("agreement"),
             "replay_fidelity": distill.get("replay_fidelity"), "policy_vs_target": distill.get("policy_vs_target"),
-            "ppo_beat_target": ppo.get("beat_target"), "zero_shot_geomean": ev.get("geomean"), "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
+            "ppo_beat_target": ppo.get("beat_target"), "zero_shot_geomean": ev.get("geomean"),
+            "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
             "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train"), "curves": search.get("curves")}
 
 
@@ -529,8 +529,8 @@ def _log_round(writer, report: dict, model) -> None:
     """TensorBoard ``expert_iteration/*`` scalars at the round's index (and the step count as a scalar)."""
     r = int(report["round"])
     for key in ("dataset_rows", "best_vs_heuristic", "targets_vs_best", "new_targets", "search_improved",
-                "distill_loss", "agreement", "replay_fidelity", "policy_vs_target", "ppo_beat_target", "zero_shot_geomean",
-                "zero_shot_min", "zero_shot_wins", "train_geomean"):
+                "distill_loss", "agreement", "replay_fidelity", "policy_vs_target", "ppo_beat_target",
+                "zero_shot_geomean", "zero_shot_min", "zero_shot_wins", "train_geomean"):
         v = report.get(key)
         if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
             writer.add_scalar(f"expert_iteration/{key}", float(v), r)

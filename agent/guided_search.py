@@ -135,8 +135,9 @@ class PolicyProposer:
         return self.coarse_eval.misses
 
     # ------------------------------------------------------------------ the plan as the policy sees it
-    def sync(self, plan: Plan) -> None:
-        """Take ``plan`` (on operators) as the current plan; the round's distributions are dropped."""
+    def sync(self, plan: Plan, plan_digest: bytes | None = None) -> None:
+        """Take ``plan`` (on operators) as the current plan (``plan_digest``: its :func:`digest`, if known);
+        the round's distributions are dropped."""
         from envs.placement.task_setup import express
 
         p = self.prep
@@ -145,12 +146,13 @@ class PolicyProposer:
             self.assign[mem] = self.assign[mem[0]]
         self.globals = (self._mb_index(plan.microbatches),
                         SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1, 0)
-        self._plan_changed(plan)
+        self._plan_changed(digest(plan) if plan_digest is None else plan_digest)
 
-    def _plan_changed(self, plan: Plan) -> None:
-        """The current plan is ``plan`` (with ``self.assign`` and ``self.globals`` its coarse view)."""
+    def _plan_changed(self, plan_digest: bytes) -> None:
+        """The current plan has :func:`digest` ``plan_digest`` (``self.assign`` and ``self.globals``: its
+        coarse view)."""
         self.round = []
-        key = digest(plan) + self.assign.tobytes() + np.asarray(self.globals, dtype=np.int64).tobytes()
+        key = plan_digest + self.assign.tobytes() + np.asarray(self.globals, dtype=np.int64).tobytes()
         if key in self.untried_at:
             self.untried_at.move_to_end(key)
         else:
@@ -231,12 +233,13 @@ class PolicyProposer:
         new = self.prep.apply_action(plan, groups, a)
         return None if new.key() == plan.copy(virtual_stages=1).key() else new
 
-    def accepted(self, move: tuple[int, int], plan: Plan) -> None:
-        """The policy's move was accepted: the current plan is ``plan``, the assignment with it."""
+    def accepted(self, move: tuple[int, int], plan_digest: bytes) -> None:
+        """The policy's move was accepted: the current plan (:func:`digest` ``plan_digest``) is the
+        assignment with it."""
         v, o = move
         c = int(self.prep.class_of[v])
         self.assign[self.prep.class_members[c] if c >= 0 else [v]] = o
-        self._plan_changed(plan)
+        self._plan_changed(plan_digest)
 
 
 # ---------------------------------------------------------------------- the search
@@ -281,8 +284,9 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
             continue
         counts["policy" if guided else "mcmc"] += 1
         out = scorer(cand)
-        if proposer is not None:
-            seen.add(digest(cand))
+        cand_digest = digest(cand) if proposer is not None else None  # once: seen, and the proposer's memory
+        if cand_digest is not None:
+            seen.add(cand_digest)
         if out is None:
             continue
         e = energy(out)
@@ -290,9 +294,9 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
             cur, cur_e = cand, e
             counts["accepted"] += 1
             if proposer is not None and move is not None:
-                proposer.accepted(move, cur)
+                proposer.accepted(move, cand_digest)
             elif proposer is not None:
-                proposer.sync(cur)
+                proposer.sync(cur, cand_digest)
         if out.key() < best_out.key():
             best, best_out = cand, out
             curve.append((scorer.evaluations, best_out.value))

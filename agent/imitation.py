@@ -41,6 +41,7 @@ class Demonstration:
     score: float  # the final plan's score
     plan: Plan | None = None  # the replayed episode's plan (on the task's operators), as the environment made it
     oom: bool = False
+    on_policy: bool = False  # the learner's own episode, labelled with the plan's actions (learner_demo)
     obs: list[dict[str, np.ndarray]] = field(repr=False, default_factory=list)
     masks: list[np.ndarray] = field(repr=False, default_factory=list)
     actions: list[int] = field(repr=False, default_factory=list)
@@ -158,7 +159,7 @@ def learner_demo(env, task, plan: Plan, model, source: str = "") -> Demonstratio
     obs, _ = env.reset(options={"task": task})
     target = demo_target(env.prepared, plan)
     demo = Demonstration(task=task.name, source=f"learner toward {source}", heuristic_time=float("nan"),
-                         replay_time=float("nan"), score=float("nan"))
+                         replay_time=float("nan"), score=float("nan"), on_policy=True)
     done, info = False, {}
     while not done:
         mask = env.action_masks()
