@@ -100,7 +100,7 @@ class PolicyProposer:
     """Draws moves (group, option) for the current operator plan from a policy's refine-mode distribution."""
 
     def __init__(self, model, graph: OpGraph, topology: Topology, objective: str, max_groups: int | None,
-                 groups_per_round: int = GROUPS_PER_ROUND, uniform: bool = False):
+                 groups_per_round: int = GROUPS_PER_ROUND, uniform: bool = False, global_batch: int | None = None):
         import torch as th
 
         from agent.infer import policy_env, trim_padding
@@ -109,7 +109,7 @@ class PolicyProposer:
 
         self.model, self.graph, self.uniform = model, graph, bool(uniform)
         self.coarse_eval = CachedSimulation(cache_size=64)
-        task = Task(graph, topology)
+        task = Task(graph, topology, global_batch)
         self.env, _, _ = policy_env(model, task, objective, max_groups, self.coarse_eval, episode={"mode": "refine"})
         first, _ = self.env.reset(options={"task": task})
         self.prep = self.env.prepared
@@ -264,12 +264,12 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     if cur_out is None:
         raise GuidedSearchError("guided search: the start plan is not valid for this graph and topology")
     proposer, note = _proposer(model, graph, topology, objective, max_groups, groups_per_round, policy_fraction,
-                               uniform_moves)
+                               uniform_moves, start.global_batch)
     seen: set[bytes] = set()  # digests of the plans scored so far (the policy does not propose them again)
     if proposer is not None:
         proposer.sync(cur)
         seen.add(digest(cur))
-    space = PlanSpace(graph, topology)
+    space = PlanSpace(graph, topology, start.global_batch)
     best, best_out, cur_e = cur, cur_out, energy(cur_out)
     curve = [(scorer.evaluations, best_out.value)]
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
@@ -332,13 +332,14 @@ def _budget(seconds: float | None, evaluations: int | None, policy_fraction: flo
 
 
 def _proposer(model, graph: OpGraph, topology: Topology, objective: str, max_groups: int | None,
-              groups_per_round: int, policy_fraction: float,
-              uniform: bool = False) -> tuple[PolicyProposer | None, str]:
+              groups_per_round: int, policy_fraction: float, uniform: bool = False,
+              global_batch: int | None = None) -> tuple[PolicyProposer | None, str]:
     """The policy's proposer, or None and why not."""
     if model is None or policy_fraction <= 0.0:
         return None, "" if policy_fraction <= 0.0 else "no policy: plain MCMC"
     try:
-        proposer = PolicyProposer(model, graph, topology, objective, max_groups, groups_per_round, uniform)
+        proposer = PolicyProposer(model, graph, topology, objective, max_groups, groups_per_round, uniform,
+                                  global_batch)
     except RlplaceError as exc:  # the task does not fit the policy's environment: plain MCMC moves
         return None, f"policy not used ({exc}); plain MCMC moves"
     return proposer, ""

@@ -25,8 +25,9 @@ def task():
     return {"graph": g, "topology": topo, "model": load_policy(), "start": start}
 
 
-def _search(task, **kw):
-    return guided_search(task["model"], task["graph"], task["topology"], "step_time", task["start"].plan, **kw)
+def _search(task, start_plan=None, **kw):
+    start = task["start"].plan if start_plan is None else start_plan
+    return guided_search(task["model"], task["graph"], task["topology"], "step_time", start, **kw)
 
 
 def test_deterministic_for_a_seed(task):
@@ -148,3 +149,31 @@ def test_train_init_with_a_mismatched_policy_is_a_named_error(cli, tmp_path):
     assert not (tmp_path / "api").exists()
     code, _, err = cli("train", "-c", cfg, "--run-dir", tmp_path / "cli", "--init", PRETRAINED, "--no-progress")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "do not fit the config's policy" in err
+
+
+@pytest.mark.parametrize("search", ["mcmc", "guided"])
+def test_a_start_plans_global_batch_carries_over_to_every_proposal(task, search):
+    """A task may train at another global batch than the graph was traced with: the search explores that
+    batch's plans (microbatch counts dividing it), never silently the graph's."""
+    from agent.placers.common import Scorer
+    from agent.placers.search import mcmc
+
+    g, topo = task["graph"], task["topology"]
+    batch = 4 * g.batch_size
+    start = task["start"].plan.copy(global_batch=batch, microbatches=batch // 4)  # 8 microbatches: not a divisor of 8
+    seen = []
+    score = Scorer.__call__
+
+    def spy(self, plan):
+        seen.append((plan.global_batch, plan.microbatches))
+        return score(self, plan)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scorer, "__call__", spy)
+        if search == "mcmc":
+            best = mcmc(g, topo, seed=0, budget=80, start=start)
+        else:
+            best = _search(task, seed=0, evaluations=80, start_plan=start).plan
+    assert len(seen) > 40 and {b for b, _ in seen} == {batch}
+    assert all(batch % m == 0 for _, m in seen) and len({m for _, m in seen}) > 1
+    assert best.global_batch == batch

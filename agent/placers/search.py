@@ -57,9 +57,10 @@ OOM_PENALTY = 2.0
 
 class PlanSpace:
     """The search space of the random and MCMC placers: candidate device groups and layouts of every
-    placement unit of one (graph, topology)."""
+    placement unit of one (graph, topology), at ``global_batch`` (None: the graph's traced batch; a
+    task's own batch carries over to every plan of the space, and microbatch counts divide it)."""
 
-    def __init__(self, graph: OpGraph, topology: Topology):
+    def __init__(self, graph: OpGraph, topology: Topology, global_batch: int | None = None):
         self.graph, self.topology = graph, topology
         self.unit, self.members = units(graph)
         self.nu = len(self.members)
@@ -69,7 +70,9 @@ class PlanSpace:
         self.groups = list(dict.fromkeys(tuple(sorted(g)) for g in groups))
         self.mega = megatron_layouts(graph)
         self.kw = plan_defaults(graph)
-        self.batch = graph.batch_size
+        if global_batch is not None:
+            self.kw["global_batch"] = int(global_batch)
+        self.batch = int(global_batch) if global_batch is not None else graph.batch_size
         self.seq_ok = sequence_splittable(graph)
         self.expert_layer, _, self.expert_count = expert_layers(graph)
         self.moe_layers = sorted({int(x) for x in self.expert_layer if x >= 0})
@@ -267,7 +270,7 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
         knob = names[int(rng.choice(len(names), p=w / w.sum()))]
         if knob == "microbatches":
             ms = _mb_choices(space.batch)
-            i = ms.index(m)
+            i = ms.index(m) if m in ms else int(np.argmin([abs(x - m) for x in ms]))
             j = int(np.clip(i + (1 if rng.random() < 0.5 else -1), 0, len(ms) - 1))
             if j == i:
                 return None
@@ -330,7 +333,7 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     hears (evaluations so far, best value) at every improvement: the search curve."""
     init = start if start is not None else initial_plan(graph, topology, objective, seed)
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET), on_improve=on_improve)
-    space = PlanSpace(graph, topology)
+    space = PlanSpace(graph, topology, init.global_batch)
     rng = np.random.default_rng(seed)
     cur = init.copy(provenance={})
     cur_out = scorer(cur)
