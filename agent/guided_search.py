@@ -1,8 +1,7 @@
 """Policy-guided search: simulated annealing whose moves the placement policy proposes.
 
 :func:`guided_search` anneals over plans on the *operator* graph exactly as ``agent.placers.search.mcmc``
-does (same energy, same temperature schedule ``T0 * 2^(-k / HALF_LIFE)`` over the evaluation count ``k``,
-same Metropolis acceptance, the same caching :class:`agent.placers.common.Scorer` and its evaluation
+does (same energy, same temperature schedule and Metropolis acceptance, ``agent.placers.search.Annealing``, the same caching :class:`agent.placers.common.Scorer` and its evaluation
 count), but a fraction ``policy_fraction`` of the proposals comes from the policy instead of
 ``agent.placers.search._propose``:
 
@@ -61,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.placers.common import Budget, Outcome, Scorer, finish
-from agent.placers.search import HALF_LIFE, T0, PlanSpace, _propose, energy
+from agent.placers.search import Annealing, PlanSpace, _propose, energy
 from envs.errors import RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import OpGraph
@@ -273,6 +272,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     best, best_out, cur_e = cur, cur_out, energy(cur_out)
     curve = [(scorer.evaluations, best_out.value)]
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
+    anneal = Annealing()
     tries = 0
     while not scorer.exhausted() and tries < 50 * (budget.evaluations or 10**6):
         tries += 1
@@ -290,7 +290,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
         if out is None:
             continue
         e = energy(out)
-        if _accept(e, cur_e, scorer.evaluations, rng):
+        if anneal.accept(e, cur_e, scorer.evaluations, rng):
             cur, cur_e = cand, e
             counts["accepted"] += 1
             if proposer is not None and move is not None:
@@ -299,20 +299,16 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
                 proposer.sync(cur, cand_digest)
         if out.key() < best_out.key():
             best, best_out = cand, out
+            anneal.new_best(scorer.evaluations)
             curve.append((scorer.evaluations, best_out.value))
     counts["setup"] = proposer.coarse_evaluations if proposer is not None else 0
+    counts["reheats"] = anneal.reheats
     return _result(best, best_out, scorer, seed, curve, counts, note, time.perf_counter() - t0)
 
 
 def digest(plan: Plan) -> bytes:
     """A short fingerprint of a plan's decisions (its ``key()``)."""
     return hashlib.blake2b(plan.key(), digest_size=16).digest()
-
-
-def _accept(e: float, cur_e: float, evaluations: int, rng: np.random.Generator) -> bool:
-    """Metropolis acceptance at ``mcmc``'s temperature for this evaluation count."""
-    temp = max(T0 * 2.0 ** (-evaluations / HALF_LIFE), 1e-4)
-    return e <= cur_e or rng.random() < math.exp(-(e - cur_e) / temp)
 
 
 def _budget(seconds: float | None, evaluations: int | None, policy_fraction: float,
@@ -348,7 +344,7 @@ def _proposer(model, graph: OpGraph, topology: Topology, objective: str, max_gro
 def _result(best: Plan, best_out: Outcome, scorer: Scorer, seed: int, curve: list[tuple[int, float]],
             counts: dict[str, int], note: str, seconds: float) -> GuidedResult:
     plan = finish(best, "guided_search", seed, scorer, accepted=counts["accepted"],
-                  policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"])
+                  policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"], reheats=counts["reheats"])
     if curve[-1][0] != scorer.evaluations:
         curve.append((scorer.evaluations, best_out.value))
     return GuidedResult(plan=plan, value=best_out.value, oom=best_out.oom, evaluation=best_out.evaluation,

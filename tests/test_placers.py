@@ -145,3 +145,39 @@ def test_caps_allow_sequence_splits_only_on_token_wise_ops_of_a_tensor_parallel_
     assert caps_allow(token_wise, "seq_split", 4, 2) and caps_allow(token_wise, "seq_split", 8, 1)
     assert not caps_allow(token_wise, "seq_split", 4, 4)  # tp = 1: nothing to split the sequence over
     assert not caps_allow(CAN_BATCH | CAN_COL, "seq_split", 4, 1)  # not replicable: not token-wise
+
+
+def test_annealing_reheats_a_chain_that_stalls():
+    """T = T0 * 2^(-(k - k0) / HALF_LIFE): k0 moves to k after `stall` evaluations without a new best."""
+    from agent.placers.search import HALF_LIFE, T0, T_MIN, Annealing
+
+    rng = np.random.default_rng(0)
+    a = Annealing(stall=100)
+    assert a.temperature(0) == T0 and a.temperature(HALF_LIFE) == pytest.approx(T0 / 2)
+    a.new_best(50)
+    a.accept(0.0, 0.0, 149, rng)
+    assert a.reheats == 0 and a.temperature(149) == pytest.approx(T0 * 2 ** (-149 / HALF_LIFE))
+    a.accept(0.0, 0.0, 150, rng)  # 100 evaluations since the last best
+    assert a.reheats == 1 and a.temperature(150) == T0
+    a.accept(0.0, 0.0, 249, rng)
+    assert a.reheats == 1 and a.temperature(200) == pytest.approx(T0 * 2 ** (-50 / HALF_LIFE))
+    a.accept(0.0, 0.0, 250, rng)  # 100 since the reheat
+    assert a.reheats == 2
+    off = Annealing(stall=0)
+    off.accept(0.0, 0.0, 10**6, rng)
+    assert off.reheats == 0 and off.temperature(10**6) == T_MIN
+    hot, cold = Annealing(stall=0), Annealing(stall=0)  # Metropolis: worse moves pass when hot, not when cold
+    assert sum(hot.accept(0.01, 0.0, 0, np.random.default_rng(i)) for i in range(200)) > 100
+    assert sum(cold.accept(0.01, 0.0, 5000, np.random.default_rng(i)) for i in range(200)) == 0
+
+
+def test_a_reheated_mcmc_chain_still_never_gets_worse_with_budget(tiny_gpt, monkeypatch):
+    """Reheating depends only on the chain's history: a larger budget extends the same trajectory."""
+    import agent.placers.search as search
+
+    monkeypatch.setattr(search, "STALL", 10)
+    topo = preset("pcie-4gpu")
+    runs = [run_placer("mcmc", tiny_gpt, topo, seed=1, budget=Budget(evaluations=n)) for n in (30, 60, 120)]
+    assert runs[-1].provenance["reheats"] >= 1
+    keys = [(r.provenance["oom"], r.provenance["predicted_step_time"]) for r in runs]
+    assert keys == sorted(keys, reverse=True)
