@@ -10,8 +10,8 @@ can reuse.
     topologies/<name>-<hash>.json   the topologies (rlplace topology JSON)
 
 A row: ``task_id`` (unique per graph x topology x batch x objective), ``family``, ``spec`` (model spec
-or generator id), ``split`` (``train`` / ``holdout``), ``graph`` and ``topology`` (paths relative to the
-directory), ``nodes``, ``devices``, ``global_batch``, ``objective``, ``lower_bound`` (seconds; no plan
+or generator id), ``split`` (``train`` / ``validation`` / ``holdout``), ``graph`` and ``topology`` (paths
+relative to the directory), ``nodes``, ``devices``, ``global_batch``, ``objective``, ``lower_bound`` (seconds; no plan
 can beat it that fits in memory, ``agent.lower_bound``; ``lower_bound_any``: none at all),
 ``heuristic_value``, ``heuristic_oom`` and ``heuristic`` (the best fast placer),
 ``value`` (the best plan's objective value, seconds: ``EvalResult.value``), ``oom``, ``source`` (what found it: ``mcmc from megatron_3d``, ``policy round 2``...),

@@ -21,6 +21,10 @@ families x sizes x random clusters, :mod:`agent.distribution`) trains like this,
                   as known bests
         evaluate: on the held-out families, the policy's best of greedy + samples vs the best fast
                   heuristic (the zero-shot ratio); TensorBoard ``expert_iteration/*`` per round
+        validate: the same ratio on ``validation_tasks`` members of the trained families that training
+                  never sees (also for the initial policy, before round 0)
+    model.zip <- the validated policy with the best ratio (ties: the earlier; without validation tasks,
+                 the last round's): training never hands back a policy that validates worse than its start
 
 Targets are distilled rather than the dataset's plans themselves because a plan found by MCMC over
 operators (a stage on three of five devices, 122 microbatches ...) may not be a sequence of the
@@ -29,7 +33,8 @@ environment's actions; replaying it exactly is what makes the clone reproduce it
 Every phase ends with an atomic checkpoint (``checkpoints/round_<r>_<phase>.zip``) and a line in
 ``expert_iteration.json``; ``--resume`` continues after the last finished phase, and the dataset's
 own resume skips finished tasks (a killed search round keeps its finished tasks: ``targets.jsonl`` and
-``search_round_<r>.txt``). The policy of the last round is ``model.zip``.
+``search_round_<r>.txt``). The policy selected on validation is ``model.zip``; every round's stays in
+``checkpoints/``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ import numpy as np
 from envs.errors import RlplaceError
 from envs.files import atomic_write_json
 
-PHASES = ("search", "distill", "ppo", "evaluate", "logged")
+PHASES = ("search", "distill", "ppo", "evaluate", "validate", "logged")
+INITIAL = -1  # the round index of the initial policy's validation
 
 
 # ---------------------------------------------------------------------- the round's bookkeeping
@@ -299,6 +305,7 @@ class IterationResult:
     model_path: Path
     rounds: list[dict]
     seconds: float
+    selected_round: int | None = None  # model.zip's round (INITIAL: the initial policy); None: no validation
 
 
 def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any], resume: bool,
@@ -309,7 +316,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     resume, the vec env for the checkpoint. Returns the last round's policy."""
     from agent.callbacks import atomic_save
     from agent.dataset import Dataset, build, jobs_from_draws
-    from agent.distribution import draw_distribution
+    from agent.distribution import draw_distribution, draw_validation
 
     t0 = time.perf_counter()
     ei = cfg.spec.expert_iteration
@@ -332,7 +339,14 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
         ids = {"train": [j.task_id for j in jobs if j.split == "train"],
                "holdout": [j.task_id for j in jobs if j.split == "holdout"]}
         atomic_write_json(tasks_file, ids, indent=1)
+    if "validation" not in ids or not set(ids["validation"]) <= dataset.done():
+        jobs = [j for j in jobs_from_draws(draw_validation(dist, ei.validation_tasks), evaluations=0,
+                                           objective=objective) if j.task_id not in set(ids["train"])]
+        build(dataset, jobs, executor=executor, log=log, progress=progress)
+        ids["validation"] = [j.task_id for j in jobs]
+        atomic_write_json(tasks_file, ids, indent=1)
     best = dataset.best()
+    validation = [best[i] for i in ids["validation"]]
     ids["train"], tasks = placeable(dataset, [best[i] for i in ids["train"]], cfg.env, log)
     model, venv = model_factory(tasks)
     if resume and state.last_checkpoint():
@@ -344,10 +358,17 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     writer = _writer(run)
     rounds = []
     try:
+        if validation and not state.done(INITIAL, "validate"):
+            path = atomic_save(model, run / "checkpoints" / "initial.zip")
+            state.mark(INITIAL, "validate", str(path), _validate(model, dataset, validation, ei, cfg.seed))
+            log(f"initial policy: validation zero-shot geo-mean {state.stats(INITIAL, 'validate')['geomean']:.3f} "
+                f"on {len(validation)} task(s)")
+        longest = 0.0  # the longest round of this process so far: a round that would overrun is not started
         for r in range(int(ei.rounds)):
-            if deadline is not None and time.perf_counter() > deadline and not state.done(r, "logged"):
-                log(f"deadline reached before round {r}")
+            if deadline is not None and time.perf_counter() + longest > deadline and not state.done(r, "logged"):
+                log(f"deadline reached before round {r}" + (f" (a round takes up to {longest:.0f} s)" if longest else ""))
                 break
+            started = time.perf_counter()
             if not state.done(r, "search"):
                 path = _checkpoint(model, run, r, "search-start")
                 stats = search_round(dataset, targets, ids["train"], path, r,
@@ -381,21 +402,55 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                 stats = {**{k: v for k, v in stats.items() if k != "rows"}, "train": train_ratio,
                          "holdout": stats["rows"]}
                 state.mark(r, "evaluate", None, stats)
+            if validation and not state.done(r, "validate"):
+                state.mark(r, "validate", state.last_checkpoint(), _validate(model, dataset, validation, ei, cfg.seed))
             report = _round_report(state, r, dataset, targets, ids)
             rounds.append(report)
             if not state.done(r, "logged"):  # once per round, also across resumes
                 _log_round(writer, report, model)
                 state.mark(r, "logged", None, {})
+                longest = max(longest, time.perf_counter() - started)
             log(f"round {r}: dataset {report['dataset_rows']} rows, targets at {report['targets_vs_best']:.3f} of "
                 f"the best known, distillation cross-entropy {report.get('distill_loss') or float('nan'):.3f} "
                 f"(agreement {report.get('agreement') or 0:.1%}), held-out zero-shot geo-mean "
                 f"{report.get('zero_shot_geomean') or float('nan'):.3f} (min "
                 f"{report.get('zero_shot_min') or float('nan'):.3f}), training tasks "
-                f"{report.get('train_geomean') or float('nan'):.3f} of the best known")
+                f"{report.get('train_geomean') or float('nan'):.3f} of the best known"
+                + (f", validation {report['validation_geomean']:.3f}" if report.get("validation_geomean") else ""))
     finally:
         writer.close()
+    chosen = selected(state)
+    if chosen is not None and chosen[1] != state.last_checkpoint():
+        from sb3_contrib import MaskablePPO
+
+        model = MaskablePPO.load(chosen[1], env=model.get_env(), device="cpu", tensorboard_log=str(run / "tb"))
+    if chosen is not None:
+        log(f"model.zip: the {'initial policy' if chosen[0] == INITIAL else f'policy of round {chosen[0]}'} "
+            f"(validation zero-shot geo-mean {chosen[2]:.3f}, the best of {_validated_count(state)})")
     path = atomic_save(model, run / "model.zip")
-    return IterationResult(model=model, model_path=path, rounds=rounds, seconds=time.perf_counter() - t0)
+    return IterationResult(model=model, model_path=path, rounds=rounds, seconds=time.perf_counter() - t0,
+                           selected_round=None if chosen is None else chosen[0])
+
+
+def _validate(model, dataset, rows: Sequence[dict], ei, seed: int) -> dict:
+    """The policy's zero-shot ratio on the validation tasks (:func:`zero_shot`), without the per-task rows."""
+    stats = zero_shot(model, dataset, rows, samples=ei.eval_samples, seed=seed)
+    return {k: v for k, v in stats.items() if k != "rows"}
+
+
+def selected(state: IterationState) -> tuple[int, str, float] | None:
+    """(round, checkpoint, validation geo-mean) of the validated policy with the best zero-shot geo-mean
+    (the earliest among equals; the initial policy is round ``INITIAL``), or None without validation."""
+    best = None
+    for r, phase, ckpt, stats in state.finished:
+        g = stats.get("geomean") if phase == "validate" else None
+        if g is not None and ckpt and math.isfinite(g) and (best is None or g > best[2] + 1e-9):
+            best = (int(r), str(ckpt), float(g))
+    return best
+
+
+def _validated_count(state: IterationState) -> int:
+    return sum(1 for x in state.finished if x[1] == "validate")
 
 
 def placeable(dataset, rows: Sequence[dict], env_kwargs: dict, log: Callable[[str], None]) -> tuple[list, list]:
@@ -500,7 +555,7 @@ def _checkpoint(model, run: Path, r: int, phase: str) -> Path:
 
 
 def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids: dict) -> dict:
-    search, distill, ppo, ev = (state.stats(r, p) for p in ("search", "distill", "ppo", "evaluate"))
+    search, distill, ppo, ev, val = (state.stats(r, p) for p in ("search", "distill", "ppo", "evaluate", "validate"))
     best, tbest = dataset.best(), targets.best()
 
     def geo(xs):
@@ -516,7 +571,8 @@ def _round_report(state: IterationState, r: int, dataset, targets: Targets, ids:
             "replay_fidelity": distill.get("replay_fidelity"), "policy_vs_target": distill.get("policy_vs_target"),
             "ppo_beat_target": ppo.get("beat_target"), "zero_shot_geomean": ev.get("geomean"),
             "zero_shot_min": ev.get("min"), "zero_shot_wins": ev.get("wins"),
-            "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train"), "curves": search.get("curves")}
+            "zero_shot_n": ev.get("n"), "train_geomean": ev.get("train"), "validation_geomean": val.get("geomean"),
+            "validation_min": val.get("min"), "curves": search.get("curves")}
 
 
 def _writer(run: Path):
@@ -530,7 +586,8 @@ def _log_round(writer, report: dict, model) -> None:
     r = int(report["round"])
     for key in ("dataset_rows", "best_vs_heuristic", "targets_vs_best", "new_targets", "search_improved",
                 "distill_loss", "agreement", "replay_fidelity", "policy_vs_target", "ppo_beat_target",
-                "zero_shot_geomean", "zero_shot_min", "zero_shot_wins", "train_geomean"):
+                "zero_shot_geomean", "zero_shot_min", "zero_shot_wins", "train_geomean", "validation_geomean",
+                "validation_min"):
         v = report.get(key)
         if v is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
             writer.add_scalar(f"expert_iteration/{key}", float(v), r)
@@ -559,4 +616,4 @@ def _curve_figure(curves: list, r: int):
 
 
 __all__ = ["expert_iteration", "IterationResult", "IterationState", "TargetJob", "Targets", "find_target",
-           "search_round", "zero_shot", "distil", "improve", "placeable"]
+           "search_round", "zero_shot", "distil", "improve", "placeable", "selected"]

@@ -528,7 +528,7 @@ def _train_by_expert_iteration(cfg: TrainConfig, given: TrainConfig, run: Path, 
             _close_quietly(v)
     return TrainResult(run_dir=run, model_path=res.model_path, num_timesteps=int(res.model.num_timesteps), best={},
                        seconds=time.time() - t0, model=res.model, config=cfg, tasks=[],
-                       imitation={"rounds": res.rounds})
+                       imitation={"rounds": res.rounds, "selected_round": res.selected_round})
 
 
 def _resume_source(run: Path, say: Callable[[str], None]) -> Path:

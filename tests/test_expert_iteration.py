@@ -26,7 +26,7 @@ CONFIG = {
     "self_imitation": {"every": 1, "epochs": 2},
     "expert_iteration": {"rounds": 2, "search_evaluations": 30, "policy_evaluations": 20, "policy_samples": 1,
                          "distill_epochs": 2, "ppo_steps": 128, "eval_samples": 1, "train_eval_tasks": 2,
-                         "target_evaluations": 10},
+                         "target_evaluations": 10, "validation_tasks": 2},
 }
 
 
@@ -43,13 +43,16 @@ def test_two_rounds_grow_the_dataset_and_report_per_round(run):
     d, res = run
     state = json.loads((d / "expert_iteration.json").read_text())["finished"]
     assert [(r, p) for r, p, *_ in state if p != "logged"] == [
-        (0, "search"), (0, "distill"), (0, "ppo"), (0, "evaluate"), (1, "search"), (1, "distill"), (1, "ppo"),
-        (1, "evaluate")]
+        (-1, "validate"), (0, "search"), (0, "distill"), (0, "ppo"), (0, "evaluate"), (0, "validate"), (1, "search"),
+        (1, "distill"), (1, "ppo"), (1, "evaluate"), (1, "validate")]
     ds = Dataset.open(d / "dataset")
     best = ds.best()
-    assert {r["split"] for r in best.values()} == {"train", "holdout"}
+    assert {r["split"] for r in best.values()} == {"train", "holdout", "validation"}
     assert sorted(r["family"] for r in best.values() if r["split"] == "holdout") == ["tiny-bert", "tiny-bert"]
-    assert all(r["family"] in ("tiny-gpt", "tiny-mlp") for r in best.values() if r["split"] == "train")
+    assert all(r["family"] in ("tiny-gpt", "tiny-mlp") for r in best.values() if r["split"] != "holdout")
+    ids = json.loads((d / "tasks.json").read_text())
+    assert 1 <= len(ids["validation"]) <= 2 and not set(ids["validation"]) & set(ids["train"])
+    assert all(best[i]["evaluations"] == 0 for i in ids["validation"])  # heuristics only: the yardstick
     assert all(r["value"] <= r["heuristic_value"] or r["oom"] < r["heuristic_oom"] for r in best.values())
     for r in ds.rows:  # rows the target searches added beat the ones before them
         earlier = [x for x in ds.rows[:ds.rows.index(r)] if x["task_id"] == r["task_id"]]
@@ -64,6 +67,35 @@ def test_two_rounds_grow_the_dataset_and_report_per_round(run):
     assert report["replay_fidelity"] == pytest.approx(1.0)  # the targets are plans the environment expresses
     assert 0 < report["targets_vs_best"] <= 1.0 + 1e-9
     assert res.model_path.exists() and (d / "checkpoints" / "round_1_ppo.zip").exists()
+    assert np.isfinite(report["validation_geomean"]) and report["validation_geomean"] > 0
+
+
+def test_model_zip_is_the_policy_that_validates_best(run):
+    """model.zip is the checkpoint (the initial policy's included) with the best validation ratio."""
+    import torch as th
+    from sb3_contrib import MaskablePPO
+
+    from agent.expert_iteration import IterationState, selected
+
+    d, res = run
+    r, ckpt, geo = selected(IterationState.load(d))
+    validated = [x for x in IterationState.load(d).finished if x[1] == "validate"]
+    assert len(validated) == 3 and geo == max(x[3]["geomean"] for x in validated)
+    assert res.imitation["selected_round"] == r
+    a = MaskablePPO.load(res.model_path, device="cpu").policy.state_dict()
+    b = MaskablePPO.load(ckpt, device="cpu").policy.state_dict()
+    assert a.keys() == b.keys() and all(th.equal(a[k], b[k]) for k in a)
+
+
+def test_selection_prefers_the_earliest_best_and_skips_missing_ratios(tmp_path):
+    from agent.expert_iteration import INITIAL, IterationState, selected
+
+    state = IterationState(tmp_path / "state.json")
+    assert selected(state) is None  # no validation: the last round's policy
+    for r, g in ((INITIAL, 1.0), (0, 0.98), (1, 1.02), (2, None), (3, 1.02)):
+        state.mark(r, "evaluate", None, {"geomean": 5.0})  # the held-out test ratio never selects
+        state.mark(r, "validate", f"ckpt{r}.zip", {"geomean": g})
+    assert selected(state) == (1, "ckpt1.zip", 1.02)
 
 
 def test_tensorboard_has_the_round_metrics(run):
@@ -74,7 +106,7 @@ def test_tensorboard_has_the_round_metrics(run):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for t in ("dataset_rows", "targets_vs_best", "distill_loss", "agreement", "replay_fidelity", "zero_shot_geomean",
-              "zero_shot_min", "train_geomean"):
+              "zero_shot_min", "train_geomean", "validation_geomean"):
         assert f"expert_iteration/{t}" in tags, t
     assert [e.step for e in acc.Scalars("expert_iteration/zero_shot_geomean")] == [0, 1]
     assert "expert_iteration/search_curves" in acc.Tags()["images"]  # the searches' learning curves

@@ -19,7 +19,7 @@ zoo family or a DAG generator) or a :class:`profilers.families.FamilySpec` mappi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -169,6 +169,19 @@ def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
     return train, holdout
 
 
+def draw_validation(section, n: int) -> list[TaskDraw]:
+    """``n`` validation tasks of a ``tasks.distribution`` section: training-family draws from a third
+    seeded stream (``seed + 2``; split ``validation``), members of the trained families that the
+    training's own draws (stream ``seed``) almost surely are not — the caller drops any that coincide."""
+    clusters = ClusterRanges(devices=tuple(section.devices), hosts=tuple(section.hosts),
+                             memory_scale=tuple(section.memory_scale))
+    train_fams = families(section.families if section.families is not None else TRAIN_FAMILIES)
+    held = [f.name for f in families(section.holdout_families if section.holdout_families is not None
+                                     else HOLDOUT_FAMILIES)]
+    return [replace(d, split="validation")
+            for d in draw_tasks(n, section.seed + 2, train_fams, held, cluster_ranges=clusters)]
+
+
 def draw_graph(family_: str | Mapping, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
     """The graph of a family (name or spec) for ``seed`` and its spec string."""
     return family(family_).draw(seed, dag_ranges)
@@ -176,4 +189,5 @@ def draw_graph(family_: str | Mapping, seed: int, dag_ranges: DagRanges = DagRan
 
 __all__ = ["FAMILIES", "HOLDOUT_FAMILIES", "TRAIN_FAMILIES", "RANDOM_FAMILIES", "ZOO_FAMILIES", "ClusterRanges",
            "DagRanges", "DistributionError", "Family", "TaskDraw", "draw_distribution", "draw_graph", "draw_task",
+           "draw_validation",
            "draw_tasks", "families", "family", "fits_somewhere"]
