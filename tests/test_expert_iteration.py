@@ -158,3 +158,18 @@ def test_cli_refuses_an_unreachable_ray_cluster_and_writes_nothing(cli, tmp_path
                           "127.0.0.1:1", "--no-progress")
     assert code == 2 and "Ray" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_the_pretrained_report_names_the_shipped_round_and_its_validation(run):
+    """experiments/train_pretrained's report: per round the validation ratio; the held-out rows are the
+    shipped (validated-best) round's."""
+    from experiments.train_pretrained import markdown
+
+    d, res = run
+    rounds = [{k: v for k, v in r.items() if k != "curves"} for r in res.imitation["rounds"]]
+    held = [{"task_id": "t#1", "family": "tiny-bert", "heuristic_name": "m_etf", "heuristic": 0.01, "policy": 0.01,
+             "ratio": 1.0}]
+    md = markdown({"config": "c.yaml", "num_timesteps": 1, "phases": [], "rounds": rounds, "holdout": held,
+                   "shipped_round": 1})
+    assert "validation geo-mean" in md and "(round 1, shipped)" in md
+    assert f"{rounds[-1]['validation_geomean']:.3f} |" in md
