@@ -2,12 +2,18 @@
 value and the task's lower bound — what expert iteration distils the policy on, and a benchmark others
 can reuse.
 
-**Format** (``rlplace.dataset``, version 1), a directory::
+**Format** (``rlplace.dataset``, version 2), a directory::
 
-    manifest.json            {"format": "rlplace.dataset", "version": 1, "params": {seed, evaluations, ...}, ...}
+    manifest.json            {"format": "rlplace.dataset", "version": 2, "params": {seed, evaluations, ...}, ...}
     tasks.jsonl              one JSON object per line (a row, see below), appended as work finishes
-    graphs/<fingerprint>.json       the operator graphs (rlplace graph JSON), shared by rows
-    topologies/<name>-<hash>.json   the topologies (rlplace topology JSON)
+    graphs/<fingerprint>-<hash>.json   the operator graphs (rlplace graph JSON), shared by rows of one graph
+    topologies/<name>-<hash>.json      the topologies (rlplace topology JSON)
+
+``<hash>`` hashes the whole file, so two graphs of one structure (the fingerprint: node names, kinds and
+edges) at other sizes — a model family at another width or batch — get two files. Version 1 named graph
+files by the fingerprint alone, so such a task read the first one's graph; it is refused, and
+``python -m experiments.upgrade_dataset OLD NEW`` rebuilds each row's graph from its spec and re-simulates
+its plan on it.
 
 A row: ``task_id`` (unique per graph x topology x batch x objective), ``family``, ``spec`` (model spec
 or generator id), ``split`` (``train`` / ``validation`` / ``holdout``), ``graph`` and ``topology`` (paths
@@ -45,7 +51,7 @@ from envs.tasks import Task
 from envs.topology import Topology
 
 FORMAT = "rlplace.dataset"
-VERSION = 1
+VERSION = 2
 ROW_KEYS = ("task_id", "value", "oom", "plan", "graph", "topology", "global_batch")
 
 
@@ -65,6 +71,13 @@ def _version() -> str:
 def topology_id(topology: Topology) -> str:
     text = finite_json(topology.to_dict())
     return f"{topology.name.replace(':', '_').replace('/', '_')}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def graph_file_id(graph: OpGraph, doc: dict | None = None) -> str:
+    """The graph's file name in a dataset: its structure's fingerprint and a hash of the whole graph
+    (``doc``: its ``to_dict()``, if at hand)."""
+    text = finite_json(graph.to_dict() if doc is None else doc)
+    return f"{graph.fingerprint()}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
 def task_id(task: Task, objective: str) -> str:
@@ -187,6 +200,10 @@ class Dataset:
             if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
                 raise DatasetError(f"{man}: not an rlplace dataset (expected \"format\": {FORMAT!r})")
             v = manifest.get("version")
+            if v == 1:
+                raise DatasetError(f"{man}: dataset format version 1, whose tasks of one graph structure at other "
+                                   f"sizes could read each other's graph; this rlplace reads version {VERSION}: "
+                                   "python -m experiments.upgrade_dataset OLD NEW, or rebuild it")
             if v != VERSION:
                 raise DatasetError(f"{man}: dataset format version {v!r}; this rlplace reads version {VERSION} "
                                    "only: rebuild it into a new directory")
@@ -244,7 +261,8 @@ class Dataset:
     def append(self, row: dict, task: Task) -> dict:
         """Write the row's graph and topology files (once) and append the row, flushed to disk."""
         row = dict(row)
-        row["graph"] = self._store("graphs", task.graph.fingerprint(), task.graph.to_dict())
+        doc = task.graph.to_dict()
+        row["graph"] = self._store("graphs", graph_file_id(task.graph, doc), doc)
         row["topology"] = self._store("topologies", topology_id(task.topology), task.topology.to_dict())
         line = (finite_json(row) + "\n").encode()
         fd = os.open(self.path / "tasks.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -311,4 +329,4 @@ def build(dataset: Dataset, jobs: Sequence[TaskJob], *, executor=None,
     return written
 
 
-__all__ = ["Dataset", "DatasetError", "TaskJob", "build", "solve", "task_id", "FORMAT", "VERSION"]
+__all__ = ["Dataset", "DatasetError", "TaskJob", "build", "solve", "task_id", "graph_file_id", "FORMAT", "VERSION"]

@@ -129,3 +129,70 @@ def test_ray_build_equals_in_process(built, tmp_path):
         assert ex.workers == 2
         build(ds, _jobs(), executor=ex, progress=False)
     assert _rows(ds) == _rows(Dataset.open(built))
+
+
+def test_graphs_of_one_structure_at_other_sizes_are_stored_apart(tmp_path):
+    """A family at another width or batch has the same fingerprint (node names, kinds, edges): each task
+    must still read back its own graph, and its row's plan simulate to the row's value."""
+    from agent.dataset import TaskJob
+    from envs.examples import transformer_graph
+    from envs.presets import resolve_topology
+    from envs.tasks import Task
+
+    topo = resolve_topology("pcie-4gpu")
+    graphs = [transformer_graph(layers=2, hidden=h, heads=2, seq=64, batch=b, name=f"tf-h{h}-b{b}")
+              for h, b in ((128, 4), (128, 8), (256, 4))]
+    assert len({g.fingerprint() for g in graphs}) == 1
+    jobs = [TaskJob(task=Task(g, topo), family="tf", spec=f"tf#{i}", evaluations=0) for i, g in enumerate(graphs)]
+    ds = Dataset.open(tmp_path / "d", create=True)
+    build(ds, jobs, progress=False)
+    ds = Dataset.open(tmp_path / "d")
+    rows = {r["spec"]: r for r in ds.rows}
+    assert len({r["graph"] for r in rows.values()}) == 3
+    sim = CachedSimulation()
+    for i, g in enumerate(graphs):
+        r = rows[f"tf#{i}"]
+        task = ds.task(r)
+        assert task.graph.to_dict() == g.to_dict()
+        assert sim.evaluate(task.graph, task.topology, ds.plan(r)).value == pytest.approx(r["value"], rel=1e-9)
+
+
+def test_a_version_1_dataset_is_refused_with_the_upgrade_named(built, tmp_path):
+    copy = tmp_path / "v1"
+    shutil.copytree(built, copy)
+    man = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**man, "version": 1}))
+    with pytest.raises(DatasetError, match="experiments.upgrade_dataset"):
+        Dataset.open(copy)
+
+
+def test_upgrade_rebuilds_each_rows_graph_and_revalues_its_plan(tmp_path):
+    """A version-1 dataset whose second task read the first one's graph (one structure, another size):
+    the upgrade gives each row the graph its spec draws and the value its plan has there."""
+    from agent.dataset import TaskJob
+    from envs.tasks import Task
+    from experiments.upgrade_dataset import main, rebuild_graph
+
+    topo = random_cluster(5)
+    specs = ["gpt:layers=2,hidden=64,heads=2,seq=32,vocab=512,batch=8",
+             "gpt:layers=2,hidden=128,heads=2,seq=32,vocab=512,batch=16"]
+    graphs = [rebuild_graph(s) for s in specs]
+    assert graphs[0].fingerprint() == graphs[1].fingerprint()
+    old = tmp_path / "v1"
+    ds = Dataset.open(old, create=True)
+    build(ds, [TaskJob(task=Task(g, topo), family="gpt", spec=s, evaluations=10) for g, s in zip(graphs, specs)],
+          progress=False)
+    shared = json.loads(json.dumps(ds.rows))  # as version 1 wrote them: both rows on the first graph's file
+    for r in shared:
+        r["graph"] = shared[0]["graph"]
+    (old / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in shared))
+    (old / "manifest.json").write_text(json.dumps({**ds.manifest, "version": 1}))
+    new = tmp_path / "v2"
+    assert main([str(old), str(new)]) == 0
+    up = Dataset.open(new)
+    sim = CachedSimulation()
+    for r, g in zip(up.rows, graphs):
+        task = up.task(r)
+        assert task.graph.to_dict() == g.to_dict()
+        assert sim.evaluate(g, task.topology, up.plan(r)).value == pytest.approx(r["value"], rel=1e-9)
+    assert main([str(old), str(new)]) == 2  # the new directory exists: one line, nothing overwritten
