@@ -313,7 +313,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                      deadline: float | None = None) -> IterationResult:
     """The loop of the module docstring for the config ``cfg`` (``agent.train.TrainConfig``) in the run
     directory ``run``. ``model_factory(tasks)`` builds the new model (with its training vec env) or, on
-    resume, the vec env for the checkpoint. Returns the last round's policy."""
+    resume, the vec env for the checkpoint. Returns the policy selected on validation (else the last round's)."""
     from agent.callbacks import atomic_save
     from agent.dataset import Dataset, build, jobs_from_draws
     from agent.distribution import draw_distribution, draw_validation
