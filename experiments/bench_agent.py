@@ -187,10 +187,10 @@ def target_b(policy: str, quick: bool, ex) -> dict:
 
 
 # ---------------------------------------------------------------------- (c) a new family
-def target_c(policy: str, quick: bool, minutes: float, family: str | None = None) -> dict:
+def target_c(policy: str, quick: bool, minutes: float, family: str | None = None, tasks: int | None = None) -> dict:
     """30 minutes (``minutes``) of expert iteration from ``policy`` on target_c.yaml's family (or ``family``:
-    its realistic ranges for training, its held-out members drawn with another seed), then both policies'
-    zero-shot plans on the held-out members."""
+    its realistic ranges for training, its held-out members drawn with another seed; ``tasks`` training
+    tasks instead of the config's), then both policies' zero-shot plans on the held-out members."""
     from agent.config import DistributionSection
     from agent.distribution import draw_distribution
     from agent.infer import Candidate, load_policy, place
@@ -202,6 +202,9 @@ def target_c(policy: str, quick: bool, minutes: float, family: str | None = None
         raw["name"] = f"target_c-{family}"
         raw["tasks"]["distribution"].update(families=[{"model": family, "name": family}],
                                             holdout_families=[{"model": family, "name": f"{family}-heldout"}])
+    if tasks is not None:
+        raw["name"] = f"{raw['name']}-{tasks}tasks"
+        raw["tasks"]["distribution"]["tasks"] = int(tasks)
     cfg = load_config(raw)
     run = ROOT / "runs" / "bench_agent" / cfg.name
     t = time.perf_counter()
@@ -222,7 +225,8 @@ def target_c(policy: str, quick: bool, minutes: float, family: str | None = None
     fam = ", ".join(f if isinstance(f, str) else str(f.get("name") or f["model"])
                     for f in cfg.raw["tasks"]["distribution"]["families"])
     return {"rows": rows, "geomean_speedup": _geo([r["speedup"] for r in rows]), "train_seconds": round(trained_s),
-            "minutes": minutes, "family": fam, "target": "geomean speedup >= 1.05"}
+            "minutes": minutes, "family": fam, "tasks": cfg.raw["tasks"]["distribution"]["tasks"],
+            "target": "geomean speedup >= 1.05"}
 
 
 # ---------------------------------------------------------------------- (d) latency
@@ -273,8 +277,8 @@ def markdown(target: str, res: dict) -> str:
                          f"({r['mcmc_15s_evaluations']}) | {r['guided_tenth_ms']:.3f} | "
                          f"{r['guided_reach_evaluations'] if r['guided_reach_evaluations'] is not None else '-'} |")
     elif target == "c":
-        lines += [f"{res['minutes']:g} minutes of training from the shipped policy on the {res['family']} family "
-                  f"({res['train_seconds']} s): geometric-mean speed-up on held-out members "
+        lines += [f"{res['minutes']:g} minutes of training from the shipped policy on {res.get('tasks', '')} tasks "
+                  f"of the {res['family']} family ({res['train_seconds']} s): geometric-mean speed-up on held-out members "
                   f"{res['geomean_speedup']:.3f}.", "",
                   "| task | devices | shipped ms | trained ms | speed-up |", "|---|---|---|---|---|"]
         for r in res["rows"]:
@@ -347,8 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default=None,
                     help="(c): train and hold out this family (a name, or my_model.py:build) instead of "
                          "target_c.yaml's; results go to target_c-FAMILY.*")
+    ap.add_argument("--tasks", type=int, default=None,
+                    help="(c): this many training tasks instead of target_c.yaml's (results: *-Ntasks.*)")
     ap.add_argument("--ray", action="store_true", help="run the (a) and (b) cases on a local Ray instance")
     args = ap.parse_args(argv)
+    if args.tasks is not None and args.tasks < 1:
+        ap.error(f"--tasks must be >= 1, got {args.tasks}")
     from agent.infer import load_policy
     from envs.errors import RlplaceError
 
@@ -368,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
             elif t == "b":
                 res = target_b(args.policy, args.quick, ex)
             elif t == "c":
-                res = target_c(args.policy, args.quick, args.minutes, args.family)
+                res = target_c(args.policy, args.quick, args.minutes, args.family, args.tasks)
             else:
                 res = target_d(args.policy)
         res["seconds"] = round(time.time() - t0, 1)
-        stem = f"target_{t}" + (f"-{_file_name(args.family)}" if t == "c" and args.family else "")
+        stem = f"target_{t}" + (f"-{_file_name(args.family)}" if t == "c" and args.family else "") \
+            + (f"-{args.tasks}tasks" if t == "c" and args.tasks else "")
         atomic_write_json(out / f"{stem}.json", json.loads(json.dumps(res, default=float)), indent=1)
         md = markdown(t, res)
         atomic_write_text(out / f"{stem}.md", md)
