@@ -152,10 +152,9 @@ def draw_tasks(n: int, seed: int, families_: Sequence[str | Mapping | Family] = 
     return [draw_task(i, seed, fams, holdout, dag_ranges, cluster_ranges) for i in range(n)]
 
 
-def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
-    """(training tasks, held-out tasks) of a training config's ``tasks.distribution`` section
-    (:class:`agent.config.DistributionSection`): ``tasks`` draws over the training families and
-    ``holdout_tasks`` over the held-out ones, from two seeded streams."""
+def _section_streams(section) -> tuple[ClusterRanges, list[Family], list[Family]]:
+    """A ``tasks.distribution`` section's cluster ranges, training families and held-out families (a
+    family in both is a one-line error)."""
     clusters = ClusterRanges(devices=tuple(section.devices), hosts=tuple(section.hosts),
                              memory_scale=tuple(section.memory_scale))
     train_fams = families(section.families if section.families is not None else TRAIN_FAMILIES)
@@ -163,6 +162,14 @@ def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
     overlap = {f.name for f in train_fams} & {f.name for f in held_fams}
     if overlap:
         raise DistributionError(f"families both trained on and held out: {', '.join(sorted(overlap))}")
+    return clusters, train_fams, held_fams
+
+
+def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
+    """(training tasks, held-out tasks) of a training config's ``tasks.distribution`` section
+    (:class:`agent.config.DistributionSection`): ``tasks`` draws over the training families and
+    ``holdout_tasks`` over the held-out ones, from two seeded streams."""
+    clusters, train_fams, held_fams = _section_streams(section)
     held = [f.name for f in held_fams]
     train = draw_tasks(section.tasks, section.seed, train_fams, held, cluster_ranges=clusters)
     holdout = draw_tasks(section.holdout_tasks, section.seed + 1, held_fams, held, cluster_ranges=clusters)
@@ -173,13 +180,9 @@ def draw_validation(section, n: int) -> list[TaskDraw]:
     """``n`` validation tasks of a ``tasks.distribution`` section: training-family draws from a third
     seeded stream (``seed + 2``; split ``validation``), members of the trained families that the
     training's own draws (stream ``seed``) almost surely are not — the caller drops any that coincide."""
-    clusters = ClusterRanges(devices=tuple(section.devices), hosts=tuple(section.hosts),
-                             memory_scale=tuple(section.memory_scale))
-    train_fams = families(section.families if section.families is not None else TRAIN_FAMILIES)
-    held = [f.name for f in families(section.holdout_families if section.holdout_families is not None
-                                     else HOLDOUT_FAMILIES)]
-    return [replace(d, split="validation")
-            for d in draw_tasks(n, section.seed + 2, train_fams, held, cluster_ranges=clusters)]
+    clusters, train_fams, held_fams = _section_streams(section)
+    return [replace(d, split="validation") for d in draw_tasks(n, section.seed + 2, train_fams,
+                                                               [f.name for f in held_fams], cluster_ranges=clusters)]
 
 
 def draw_graph(family_: str | Mapping, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
