@@ -99,7 +99,8 @@ IntRange = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
 class DistributionSection(Section):
     """``tasks.distribution``: tasks drawn over model families at realistic sizes on random clusters
     (:func:`agent.distribution.draw_distribution`). A family is a name (``llama``, ``random-layered``) or a
-    family spec mapping ``{model: my_model.py:build, knobs: {layers: [2, 12]}, name: mine}``
+    family spec mapping ``{model: my_model.py:build, knobs: {layers: [2, 12]}, name: mine}``, or a random-DAG
+    generator under another name ``{generator: random-series-parallel, name: dags-heldout}``
     (:class:`profilers.families.FamilySpec`; checked here, before anything is traced)."""
 
     tasks: PositiveInt = 128

@@ -233,9 +233,12 @@ def target_c_config(family: str | None = None, tasks: int | None = None):
 
     raw = read_document(ROOT / "experiments" / "configs" / "target_c.yaml", "training config", ValueError)
     if family is not None:
+        from agent.distribution import RANDOM_FAMILIES
+
+        kind = "generator" if family in RANDOM_FAMILIES else "model"  # a random-DAG family, or a model's
         raw["name"] = f"target_c-{family}"
-        raw["tasks"]["distribution"].update(families=[{"model": family, "name": family}],
-                                            holdout_families=[{"model": family, "name": f"{family}-heldout"}])
+        raw["tasks"]["distribution"].update(families=[{kind: family, "name": family}],
+                                            holdout_families=[{kind: family, "name": f"{family}-heldout"}])
     if tasks is not None:
         raw["name"] = f"{raw['name']}-{tasks}tasks"
         raw["tasks"]["distribution"]["tasks"] = int(tasks)

@@ -118,6 +118,23 @@ def test_distribution_is_seeded_and_valid():
     assert "cpu" in kinds and len(kinds) >= 3
 
 
+def test_a_dag_generator_can_be_held_out_under_another_name():
+    """Training and held-out members of one random-DAG family: the held-out entry names the generator
+    under its own name; the graphs are the generator's; a bad generator entry is one line."""
+    from agent.config import DistributionSection
+    from agent.distribution import draw_distribution
+
+    section = DistributionSection(tasks=2, holdout_tasks=2, seed=5, families=["random-series-parallel"],
+                                  holdout_families=[{"generator": "random-series-parallel", "name": "sp-heldout"}])
+    train, held = draw_distribution(section)
+    assert {d.family for d in train} == {"random-series-parallel"} and {d.family for d in held} == {"sp-heldout"}
+    assert all(d.spec.startswith("random-series-parallel:seed=") for d in train + held)
+    with pytest.raises(DistributionError, match="generator 'no-such-dag'"):
+        draw_tasks(1, 0, [{"generator": "no-such-dag", "name": "x"}])
+    with pytest.raises(DistributionError, match="with knobs"):
+        draw_tasks(1, 0, [{"generator": "random-layered", "knobs": {}}])
+
+
 def test_pandas_reads_it(built):
     pd = pytest.importorskip("pandas")
     df = pd.read_json(built / "tasks.jsonl", lines=True)

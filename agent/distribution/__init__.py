@@ -65,12 +65,14 @@ class Family:
 
     name: str
     spec: Any = None  # profilers.families.FamilySpec, or None for a DAG generator
+    generator: str | None = None  # the DAG generator (default: the name) when spec is None
 
     def draw(self, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
         """The graph for ``seed`` and its spec string."""
         if self.spec is None:
-            spec = f"{self.name}:seed={seed}"
-            return GENERATORS[self.name](seed, dag_ranges, name=spec), spec
+            gen = self.generator or self.name
+            spec = f"{gen}:seed={seed}"
+            return GENERATORS[gen](seed, dag_ranges, name=spec), spec
         from profilers.spec import graph_from_spec
 
         spec = self.spec.sample(seed)
@@ -90,6 +92,12 @@ def family(entry: str | Mapping[str, Any] | Family) -> Family:
         if entry not in ZOO_FAMILIES and not entry.startswith("hf:") and ".py:" not in entry:
             raise DistributionError(f"unknown task family {entry!r}; families: {', '.join(FAMILIES)} "
                                     "(or hf:NAME, file.py:fn, or a family spec mapping)")
+    if isinstance(entry, Mapping) and "generator" in entry:  # a DAG generator under another name
+        gen, extra = entry["generator"], sorted(set(entry) - {"generator", "name"})
+        if gen not in GENERATORS or extra:
+            raise DistributionError(f"a generator family is {{generator: {'|'.join(GENERATORS)}, name: NAME}}; got "
+                                    f"generator {gen!r}" + (f" with {', '.join(extra)}" if extra else ""))
+        return Family(str(entry.get("name") or gen), None, str(gen))
     try:
         if isinstance(entry, Mapping):
             body = {k: v for k, v in entry.items() if k != "name"}
