@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_an_unknown_family_is_one_line_and_exit_2(tmp_path, capsys):
     from experiments.bench_agent import main
