@@ -232,35 +232,31 @@ class GraphPlacementExtractor(BaseFeaturesExtractor):
         fp, length = self._fingerprint(obs)
         uniq, first, inverse = _unique_rows(fp)
         grad = th.is_grad_enabled()
+        found: dict[int, tuple[th.Tensor, th.Tensor]] = {}  # unique row -> its embeddings
+        keys: list[tuple] = []
         if not grad:
             stamp = self._stamp()
             if stamp != self._cache_stamp:
                 self._cache.clear()
                 self._cache_stamp = stamp
             keys = [(length, *uniq[i].tolist()) for i in range(uniq.shape[0])]
-            missing = [i for i, k in enumerate(keys) if k not in self._cache]
-        else:
-            keys, missing = [], list(range(uniq.shape[0]))
-        computed: dict[int, tuple[th.Tensor, th.Tensor]] = {}
+            for i, k in enumerate(keys):  # the hits first: inserting the misses below may evict them
+                if k in self._cache:
+                    self._cache.move_to_end(k)
+                    found[i] = self._cache[k]
+        missing = [i for i in range(uniq.shape[0]) if i not in found]
         if missing:
             rows = first[missing]
             sub = {k: obs[k][rows] for k in STATIC_KEYS}
             dev, nodes = self.encode_devices(sub), self.encode_nodes(sub)
             for j, i in enumerate(missing):
-                computed[i] = (dev[j], nodes[j])
+                found[i] = (dev[j], nodes[j])
                 if not grad:
-                    self._cache[keys[i]] = computed[i]
+                    self._cache[keys[i]] = found[i]
                     if len(self._cache) > self._cache_size:
                         self._cache.popitem(last=False)
-        parts = []
-        for i in range(uniq.shape[0]):
-            if i in computed:
-                parts.append(computed[i])
-            else:
-                self._cache.move_to_end(keys[i])
-                parts.append(self._cache[keys[i]])
-        dev_u = th.stack([p[0] for p in parts])
-        node_u = th.stack([p[1] for p in parts])
+        dev_u = th.stack([found[i][0] for i in range(uniq.shape[0])])
+        node_u = th.stack([found[i][1] for i in range(uniq.shape[0])])
         return dev_u[inverse], node_u[inverse]
 
     # ------------------------------------------------------------------ dynamic part (per step)

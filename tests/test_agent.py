@@ -80,6 +80,35 @@ def test_policy_is_padding_agnostic():
     assert info["plan"].num_nodes == big.task.graph.num_nodes
 
 
+def test_static_embedding_cache_keeps_a_batchs_hits_while_inserting_its_misses():
+    """A batch whose cached tasks would be evicted by inserting its new ones (more distinct tasks in play
+    than the cache holds, as in PPO rollouts over many training tasks) still gets every task's embeddings,
+    the same as a fresh pass."""
+    import torch as th
+
+    from envs.placement.env import PlacementEnv
+    from envs.tasks import default_tasks
+
+    tasks = default_tasks("pcie-4gpu", names=["gpt-tiny", "mlp-chain", "branching-cnn", "moe-wide"])
+    env = PlacementEnv(tasks, max_nodes=8, max_devices=4)
+    model = MaskablePPO(GraphPlacementPolicy, env, seed=0, device="cpu", n_steps=64, batch_size=32,
+                        policy_kwargs={"hidden": 16, "rounds": 2, "dynamic_rounds": 1})
+    fe = model.policy.features_extractor
+    fe._cache_size = 2
+    rows = [env.reset(options={"task": t})[0] for t in tasks]
+
+    def logits(idx):
+        with th.no_grad():
+            return fe.action_logits_and_pooled({k: th.as_tensor(np.stack([rows[i][k] for i in idx]))
+                                               for k in rows[0]})[0]
+
+    logits([0, 1])  # the cache holds tasks 0 and 1
+    mixed = logits([0, 2, 3])  # task 0 is a hit; inserting 2 and 3 evicts it
+    fe._cache.clear()
+    assert th.equal(mixed, logits([0, 2, 3]))
+    assert len(fe._cache) == 2
+
+
 def test_static_embeddings_deduplicated_and_cached_exactly():
     """Rows of the same task share one static GNN pass (with and without gradients), the inference
     cache gives the same logits as a fresh pass, and an optimiser step or a state-dict load
