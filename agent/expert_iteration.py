@@ -24,7 +24,9 @@ families x sizes x random clusters, :mod:`agent.distribution`) trains like this,
         validate: the same ratio on ``validation_tasks`` members of the trained families that training
                   never sees (also for the initial policy, before round 0)
     model.zip <- the validated policy with the best ratio (ties: the earlier; without validation tasks,
-                 the last round's): training never hands back a policy that validates worse than its start
+                 the last round's): training never hands back a policy that validates worse than its start.
+                 The initial policy is a candidate only when it was given (``--init``): a fresh network is
+                 validated as the reference line but never handed back as the trained policy
 
 Targets are distilled rather than the dataset's plans themselves because a plan found by MCMC over
 operators (a stage on three of five devices, 122 microbatches ...) may not be a sequence of the
@@ -310,10 +312,12 @@ class IterationResult:
 
 def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any], resume: bool,
                      progress: bool, log: Callable[[str], None], executor=None,
-                     deadline: float | None = None) -> IterationResult:
+                     deadline: float | None = None, initial_given: bool = True) -> IterationResult:
     """The loop of the module docstring for the config ``cfg`` (``agent.train.TrainConfig``) in the run
     directory ``run``. ``model_factory(tasks)`` builds the new model (with its training vec env) or, on
-    resume, the vec env for the checkpoint. Returns the policy selected on validation (else the last round's)."""
+    resume, the vec env for the checkpoint; ``initial_given``: its weights are a trained policy's (False: a
+    fresh network, which selection never hands back). Returns the policy selected on validation (else the
+    last round's)."""
     from agent.callbacks import atomic_save
     from agent.dataset import Dataset, build, jobs_from_draws
     from agent.distribution import draw_distribution, draw_validation
@@ -360,7 +364,8 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     try:
         if validation and not state.done(INITIAL, "validate"):
             path = atomic_save(model, run / "checkpoints" / "initial.zip")
-            state.mark(INITIAL, "validate", str(path), _validate(model, dataset, validation, ei, cfg.seed))
+            state.mark(INITIAL, "validate", str(path),
+                       {**_validate(model, dataset, validation, ei, cfg.seed), "given": bool(initial_given)})
             log(f"initial policy: validation zero-shot geo-mean {state.stats(INITIAL, 'validate')['geomean']:.3f} "
                 f"on {len(validation)} task(s)")
         longest = 0.0  # the longest round of this process so far: a round that would overrun is not started
@@ -427,6 +432,10 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     if chosen is not None:
         log(f"model.zip: the {'initial policy' if chosen[0] == INITIAL else f'policy of round {chosen[0]}'} "
             f"(validation zero-shot geo-mean {chosen[2]:.3f}, the best of {_validated_count(state)})")
+        fresh = state.stats(INITIAL, "validate") if state.done(INITIAL, "validate") else {}
+        if not fresh.get("given", True) and fresh.get("geomean", 0.0) > chosen[2] + 1e-9:
+            log(f"note: the untrained network validated better ({fresh['geomean']:.3f}); the validation "
+                f"tasks are few, or training did not help on them")
     path = atomic_save(model, run / "model.zip")
     return IterationResult(model=model, model_path=path, rounds=rounds, seconds=time.perf_counter() - t0,
                            selected_round=None if chosen is None else chosen[0])
@@ -440,17 +449,22 @@ def _validate(model, dataset, rows: Sequence[dict], ei, seed: int) -> dict:
 
 def selected(state: IterationState) -> tuple[int, str, float] | None:
     """(round, checkpoint, validation geo-mean) of the validated policy with the best zero-shot geo-mean
-    (the earliest among equals; the initial policy is round ``INITIAL``), or None without validation."""
+    (the earliest among equals; the initial policy is round ``INITIAL``, a candidate unless it was a fresh
+    network), or None without validation."""
     best = None
     for r, phase, ckpt, stats in state.finished:
         g = stats.get("geomean") if phase == "validate" else None
+        if r == INITIAL and not stats.get("given", True):  # an untrained network is a reference, not a result
+            g = None
         if g is not None and ckpt and math.isfinite(g) and (best is None or g > best[2] + 1e-9):
             best = (int(r), str(ckpt), float(g))
     return best
 
 
 def _validated_count(state: IterationState) -> int:
-    return sum(1 for x in state.finished if x[1] == "validate")
+    """The selection's candidates: the validated policies, less a fresh initial network."""
+    return sum(1 for r, phase, _, stats in state.finished
+               if phase == "validate" and (r != INITIAL or stats.get("given", True)))
 
 
 def placeable(dataset, rows: Sequence[dict], env_kwargs: dict, log: Callable[[str], None]) -> tuple[list, list]:

@@ -518,7 +518,7 @@ def _train_by_expert_iteration(cfg: TrainConfig, given: TrainConfig, run: Path, 
     run.mkdir(parents=True, exist_ok=True)
     try:
         res = expert_iteration(cfg, run, model_factory=model_factory, resume=resume, progress=progress, log=say,
-                               executor=executor, deadline=deadline)
+                               executor=executor, deadline=deadline, initial_given=weights is not None)
     except KeyboardInterrupt:
         raise TrainingInterrupted(f"expert iteration interrupted; finished phases are kept; resume with: rlplace "
                                   f"train --config {shlex.quote(cfg.source or str(run / 'config.yaml'))} --run-dir "

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + args.hours * 3600
     with Executor.from_flags(args.ray, args.ray_address) as ex:
         res = train(cfg, run_dir=args.run_dir, resume=args.resume, progress=not args.no_progress, executor=ex,
-                    deadline=deadline)
+                    deadline=deadline, log=lambda m: print(m, flush=True))  # phase lines, also when not on a terminal
     rounds = res.imitation["rounds"]
     print(f"expert iteration: {len(rounds)} round(s), {res.num_timesteps} PPO steps in {time.time() - t0:.0f}s")
     atomic_write_bytes(PRETRAINED, Path(res.model_path).read_bytes(), "shipped policy")
@@ -98,6 +98,10 @@ def markdown(report: dict) -> str:
                      f"{f(r['new_targets'])} | {f(r['distill_loss'])} | {f(r['agreement'], '.1%')} | "
                      f"{f(r['zero_shot_geomean'])} | {f(r['zero_shot_min'])} | {f(r['zero_shot_wins'])}/"
                      f"{f(r['zero_shot_n'])} | {f(r['train_geomean'])} | {f(r.get('validation_geomean'))} |")
+    initial = next((p for p in report["phases"] if p["round"] == -1 and p["phase"] == "validate"), None)
+    if initial is not None and initial.get("geomean") is not None:
+        lines += ["", f"Validation geo-mean of the initial policy: {initial['geomean']:.3f}"
+                  + (" (a fresh network: the reference line, never shipped)." if not initial.get("given", True) else ".")]
     if report["holdout"]:
         which = "last round" if report.get("shipped_round") is None else f"round {report['shipped_round']}, shipped"
         lines += ["", f"Held-out tasks ({which}): the policy's best of greedy + samples vs the best fast heuristic.",

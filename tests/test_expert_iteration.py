@@ -75,12 +75,15 @@ def test_model_zip_is_the_policy_that_validates_best(run):
     import torch as th
     from sb3_contrib import MaskablePPO
 
-    from agent.expert_iteration import IterationState, selected
+    from agent.expert_iteration import INITIAL, IterationState, selected
 
     d, res = run
     r, ckpt, geo = selected(IterationState.load(d))
     validated = [x for x in IterationState.load(d).finished if x[1] == "validate"]
-    assert len(validated) == 3 and geo == max(x[3]["geomean"] for x in validated)
+    assert len(validated) == 3
+    # the run starts from a fresh network: validated as the reference line, never a candidate
+    assert validated[0][0] == INITIAL and validated[0][3]["given"] is False
+    assert r != INITIAL and geo == max(x[3]["geomean"] for x in validated[1:])
     assert res.imitation["selected_round"] == r
     a = MaskablePPO.load(res.model_path, device="cpu").policy.state_dict()
     b = MaskablePPO.load(ckpt, device="cpu").policy.state_dict()
@@ -96,6 +99,23 @@ def test_selection_prefers_the_earliest_best_and_skips_missing_ratios(tmp_path):
         state.mark(r, "evaluate", None, {"geomean": 5.0})  # the held-out test ratio never selects
         state.mark(r, "validate", f"ckpt{r}.zip", {"geomean": g})
     assert selected(state) == (1, "ckpt1.zip", 1.02)
+
+
+def test_a_fresh_initial_network_is_never_selected(tmp_path):
+    """A run from fresh weights validates the untrained network as its reference line; selection hands back
+    the best *round* even when the untrained network validated better (a given initial policy stays a
+    candidate, as above)."""
+    from agent.expert_iteration import INITIAL, IterationState, selected
+
+    state = IterationState(tmp_path / "state.json")
+    state.mark(INITIAL, "validate", "initial.zip", {"geomean": 0.94, "given": False})
+    for r, g in ((0, 0.91), (1, 0.92)):
+        state.mark(r, "validate", f"ckpt{r}.zip", {"geomean": g})
+    assert selected(state) == (1, "ckpt1.zip", 0.92)
+    given = IterationState(tmp_path / "given.json")
+    given.mark(INITIAL, "validate", "initial.zip", {"geomean": 0.94, "given": True})
+    given.mark(0, "validate", "ckpt0.zip", {"geomean": 0.91})
+    assert selected(given) == (INITIAL, "initial.zip", 0.94)
 
 
 def test_tensorboard_has_the_round_metrics(run):
@@ -169,7 +189,9 @@ def test_the_pretrained_report_names_the_shipped_round_and_its_validation(run):
     rounds = [{k: v for k, v in r.items() if k != "curves"} for r in res.imitation["rounds"]]
     held = [{"task_id": "t#1", "family": "tiny-bert", "heuristic_name": "m_etf", "heuristic": 0.01, "policy": 0.01,
              "ratio": 1.0}]
-    md = markdown({"config": "c.yaml", "num_timesteps": 1, "phases": [], "rounds": rounds, "holdout": held,
+    phases = [{"round": -1, "phase": "validate", "geomean": 0.936, "given": False}]
+    md = markdown({"config": "c.yaml", "num_timesteps": 1, "phases": phases, "rounds": rounds, "holdout": held,
                    "shipped_round": 1})
     assert "validation geo-mean" in md and "(round 1, shipped)" in md
+    assert "initial policy: 0.936 (a fresh network: the reference line, never shipped)" in md
     assert f"{rounds[-1]['validation_geomean']:.3f} |" in md
