@@ -10,6 +10,8 @@
     case: the policy's best of greedy + 8 samples (``agent.infer.place(..., baselines=False)``) vs the
     best fast heuristic; ratio = heuristic / policy (> 1: the policy is faster; a policy plan that
     overflows memory where the heuristic fits counts 0). Target: geometric mean >= 1.00, none < 0.90.
+    Beside it, the ablation: the same ``place`` call with an untrained network of the policy's
+    architecture (``untrained_like``), whose ratio is what the machinery alone achieves.
 (b) **Policy-guided search.** On the fast cases of the default suite plus the (a) cases: ``rlplace
     place`` at its default budget (policy, heuristics, guided search) vs the best fast heuristic (target
     geo-mean >= 1.05); at equal simulator evaluations (every simulation counted: the policy's rollouts and
@@ -108,19 +110,36 @@ def _geo(xs) -> float:
 
 # ---------------------------------------------------------------------- (a) zero-shot
 def zero_shot_case(job: tuple[dict, str]) -> dict:
-    from agent.infer import Candidate, cached_policy, place
+    from agent.infer import Candidate, cached_policy, load_policy, place
 
     case, policy = job
     g, topo, what = resolve(case)
     model = cached_policy(policy)
     t = time.perf_counter()
     res = place(g, topo, model=model, samples=8, seed=0)
+    seconds = time.perf_counter() - t
     pol = min((c for c in res.candidates if c.kind == "policy"), key=Candidate.key)
     base = res.best_baseline()
+    # the ablation: the same machinery (refine starts, samples, best visited) with an untrained network
+    fresh = untrained_like(load_policy(policy), seed=0)
+    raw = min(place(g, topo, model=fresh, samples=8, seed=0, baselines=False).candidates, key=Candidate.key)
     return {"case": case["name"], "family": case["family"], "what": what, "ops": g.num_nodes,
             "devices": topo.num_devices, "heuristic": base.name, "heuristic_ms": base.value * 1e3,
             "heuristic_oom": base.oom, "policy_ms": pol.value * 1e3, "policy_oom": pol.oom, "policy_plan": pol.name,
-            "ratio": _ratio(base, pol), "seconds": round(time.perf_counter() - t, 1)}
+            "ratio": _ratio(base, pol), "untrained_ms": raw.value * 1e3, "untrained_ratio": _ratio(base, raw),
+            "seconds": round(seconds, 1)}
+
+
+def untrained_like(model, seed: int = 0):
+    """``model`` with the freshly initialised weights of its own architecture (seeded): what the policy's
+    training adds is its ratio over this network's in the same machinery (refine starts, samples, the best
+    plan visited)."""
+    import torch as th
+
+    th.manual_seed(seed)
+    fresh = model.policy_class(model.observation_space, model.action_space, model.lr_schedule, **model.policy_kwargs)
+    model.policy.load_state_dict(fresh.state_dict())
+    return model
 
 
 def target_a(policy: str, quick: bool, ex) -> dict:
@@ -128,9 +147,11 @@ def target_a(policy: str, quick: bool, ex) -> dict:
     rows = ex.map(zero_shot_case, [(c, policy) for c in cases])
     ratios = [r["ratio"] for r in rows]
     fams = sorted({r["family"] for r in rows})
+    untrained = _geo([r["untrained_ratio"] for r in rows])
     return {"rows": rows, "geomean": _geo(ratios), "min": min(ratios), "wins": sum(x > 1 + 1e-9 for x in ratios),
             "ties": sum(abs(x - 1) <= 1e-9 for x in ratios), "n": len(rows),
             "per_family": {f: _geo([r["ratio"] for r in rows if r["family"] == f]) for f in fams},
+            "untrained_geomean": untrained, "training_gain": _geo(ratios) / untrained,
             "target": "geomean >= 1.00 and min >= 0.90"}
 
 
@@ -282,14 +303,18 @@ def markdown(target: str, res: dict) -> str:
     lines = [f"# Agent target ({target})", "", f"`python -m experiments.bench_agent --target {target}`; "
              f"target: {res['target']}.", ""]
     if target == "a":
+        ablation = ("" if "untrained_geomean" not in res else
+                    f" The same machinery with an untrained network of the policy's architecture: "
+                    f"{res['untrained_geomean']:.3f} — training's own gain {res['training_gain']:.3f}.")
         lines += [f"Zero-shot geometric mean {res['geomean']:.3f}, min {res['min']:.3f}; the policy beats the best "
-                  f"fast heuristic on {res['wins']}, ties {res['ties']} of {res['n']}.", "",
-                  "| case | family | model / cluster | ops | devices | best heuristic | ms | policy ms | ratio |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"fast heuristic on {res['wins']}, ties {res['ties']} of {res['n']}.{ablation}", "",
+                  "| case | family | model / cluster | ops | devices | best heuristic | ms | policy ms | ratio | "
+                  "untrained ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["rows"]:
+            untrained = f"{r['untrained_ratio']:.3f}" if "untrained_ratio" in r else ""
             lines.append(f"| {r['case']} | {r['family']} | {r['what'][:60]} | {r['ops']} | {r['devices']} | "
                          f"{r['heuristic']} | {r['heuristic_ms']:.3f}{' OOM' if r['heuristic_oom'] else ''} | "
-                         f"{r['policy_ms']:.3f}{' OOM' if r['policy_oom'] else ''} | {r['ratio']:.3f} |")
+                         f"{r['policy_ms']:.3f}{' OOM' if r['policy_oom'] else ''} | {r['ratio']:.3f} | {untrained} |")
         lines += ["", "Per family: " + ", ".join(f"{k} {v:.3f}" for k, v in res["per_family"].items()) + "."]
     elif target == "b":
         lines += [f"`rlplace place` at its default budget vs the best fast heuristic: geometric mean "
