@@ -433,7 +433,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
         log(f"model.zip: the {'initial policy' if chosen[0] == INITIAL else f'policy of round {chosen[0]}'} "
             f"(validation zero-shot geo-mean {chosen[2]:.3f}, the best of {_validated_count(state)})")
         fresh = state.stats(INITIAL, "validate") if state.done(INITIAL, "validate") else {}
-        if not fresh.get("given", True) and fresh.get("geomean", 0.0) > chosen[2] + 1e-9:
+        if not _candidate(INITIAL, fresh) and fresh.get("geomean", 0.0) > chosen[2] + 1e-9:
             log(f"note: the untrained network validated better ({fresh['geomean']:.3f}); the validation "
                 f"tasks are few, or training did not help on them")
     path = atomic_save(model, run / "model.zip")
@@ -453,18 +453,21 @@ def selected(state: IterationState) -> tuple[int, str, float] | None:
     network), or None without validation."""
     best = None
     for r, phase, ckpt, stats in state.finished:
-        g = stats.get("geomean") if phase == "validate" else None
-        if r == INITIAL and not stats.get("given", True):  # an untrained network is a reference, not a result
-            g = None
+        g = stats.get("geomean") if phase == "validate" and _candidate(r, stats) else None
         if g is not None and ckpt and math.isfinite(g) and (best is None or g > best[2] + 1e-9):
             best = (int(r), str(ckpt), float(g))
     return best
 
 
+def _candidate(r: int, validation: dict) -> bool:
+    """Whether the policy validated in round ``r`` may be selected: every round's, and the initial policy
+    unless it was a fresh network (an untrained network is a reference line, not a result)."""
+    return r != INITIAL or validation.get("given", True)
+
+
 def _validated_count(state: IterationState) -> int:
     """The selection's candidates: the validated policies, less a fresh initial network."""
-    return sum(1 for r, phase, _, stats in state.finished
-               if phase == "validate" and (r != INITIAL or stats.get("given", True)))
+    return sum(1 for r, phase, _, stats in state.finished if phase == "validate" and _candidate(r, stats))
 
 
 def placeable(dataset, rows: Sequence[dict], env_kwargs: dict, log: Callable[[str], None]) -> tuple[list, list]:

@@ -98,7 +98,9 @@ def markdown(report: dict) -> str:
                      f"{f(r['new_targets'])} | {f(r['distill_loss'])} | {f(r['agreement'], '.1%')} | "
                      f"{f(r['zero_shot_geomean'])} | {f(r['zero_shot_min'])} | {f(r['zero_shot_wins'])}/"
                      f"{f(r['zero_shot_n'])} | {f(r['train_geomean'])} | {f(r.get('validation_geomean'))} |")
-    initial = next((p for p in report["phases"] if p["round"] == -1 and p["phase"] == "validate"), None)
+    from agent.expert_iteration import INITIAL
+
+    initial = next((p for p in report["phases"] if p["round"] == INITIAL and p["phase"] == "validate"), None)
     if initial is not None and initial.get("geomean") is not None:
         lines += ["", f"Validation geo-mean of the initial policy: {initial['geomean']:.3f}"
                   + (" (a fresh network: the reference line, never shipped)." if not initial.get("given", True) else ".")]
