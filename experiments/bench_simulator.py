@@ -2,7 +2,9 @@
 
 Graphs of ~100, ~1k and ~10k ops (GPT-style ``transformer_graph`` with 10, 100 and 1000 layers) on 8
 devices (``dgx-a100-80g``) and on 64 (``a100-80g-cluster:nodes=8``), with realistic plans: a random
-single-device placement (one microbatch), a pipeline split (contiguous stages, 8 microbatches) and a
+single-device placement (one microbatch), a scattered mix of single devices and tensor splits over 2-8
+devices with 64 GPipe microbatches (many ready tasks compete for each device and host: the case
+:mod:`envs.sim.waitlist_schedule` is for), a pipeline split (contiguous stages, 8 microbatches) and a
 Megatron DP x TP x PP mix; plus the 1T-parameter GPT on 512 GPUs (stage-level fast path).
 
 Full evaluations go through :class:`envs.sim.CompiledSimulator` (what ``simulate(..., timeline=False,
@@ -45,7 +47,8 @@ def _rate(fn, budget: float = 0.4, rounds: int = 3) -> float:
 
 def plans_for(g, topo, rng):
     n, nd = g.num_nodes, topo.num_devices
-    out = {"random m1": Plan(groups=[(int(d),) for d in rng.integers(0, nd, n)], layouts=["single"] * n)}
+    out = {"random m1": Plan(groups=[(int(d),) for d in rng.integers(0, nd, n)], layouts=["single"] * n),
+           "mixed tp m64 gpipe": mixed_plan(g, topo, rng, microbatches=64)}
     if nd == 8:
         out["pp8 m8"] = megatron_plan(g, topo, pp=8, microbatch_size=1, global_batch=8)
         out["tp2 pp2 dp2 m4"] = megatron_plan(g, topo, tp=2, pp=2, dp=2, microbatch_size=1, global_batch=8)
@@ -53,6 +56,27 @@ def plans_for(g, topo, rng):
         out["pp8 dp8 m8"] = megatron_plan(g, topo, pp=8, dp=8, microbatch_size=1, global_batch=64)
         out["tp8 pp4 dp2 m4"] = megatron_plan(g, topo, tp=8, pp=4, dp=2, microbatch_size=1, global_batch=8)
     return out
+
+
+def mixed_plan(g, topo, rng, microbatches: int) -> Plan:
+    """Half the ops on one random device, half split over an aligned block of 2, 4 or 8 devices
+    (column or row split where the op allows it, else replicated); GPipe with ``microbatches``."""
+    from envs.graph import CAN_COL, CAN_REPLICATE, CAN_ROW
+
+    nd = topo.num_devices
+    groups, layouts = [], []
+    for caps in g.layout_caps.tolist():
+        k = int(rng.choice([2, 4, 8]))
+        lay = [x for x, bit in (("col_split", CAN_COL), ("row_split", CAN_ROW), ("replicate", CAN_REPLICATE))
+               if caps & bit]
+        if rng.random() < 0.5 or not lay or k > nd:
+            groups.append((int(rng.integers(nd)),))
+            layouts.append("single")
+        else:
+            first = int(rng.integers(nd // k)) * k
+            groups.append(tuple(range(first, first + k)))
+            layouts.append(str(rng.choice(lay)))
+    return Plan(groups=groups, layouts=layouts, microbatches=microbatches, schedule="gpipe")
 
 
 def bench(layers=(10, 100, 1000), topologies=("dgx-a100-80g", "a100-80g-cluster:nodes=8"), reference=False,

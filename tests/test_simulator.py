@@ -183,7 +183,7 @@ def test_properties(case):
 
 
 # ---------------------------------------------------------------------- structure
-SIM_LAYERS = {"cost": 0, "schedule": 0, "throughput": 1, "reference": 1, "kernels": 1, "compiled": 2, "stages": 3,
+SIM_LAYERS = {"cost": 0, "schedule": 0, "waitlist_schedule": 1, "throughput": 1, "reference": 1, "kernels": 1, "compiled": 2, "stages": 3,
               "__init__": 4}
 SIM_MAY_IMPORT = {"__future__", "collections", "dataclasses", "heapq", "math", "typing", "numpy", "numba", "envs.graph",
                   "envs.plan", "envs.topology", "envs.errors"}

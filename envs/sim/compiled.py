@@ -17,7 +17,8 @@ re-evaluates a plan after moving one node, reusing the previous plan's arrays: o
 times and its edges' crossings are recomputed before re-scheduling. :func:`compiled_simulator` keeps
 one per (graph, topology).
 
-Imports :mod:`envs.sim.cost`, :mod:`envs.sim.kernels`, :mod:`envs.sim.schedule` (and envs.graph/plan/topology).
+Imports :mod:`envs.sim.cost`, :mod:`envs.sim.kernels`, :mod:`envs.sim.schedule`, :mod:`envs.sim.waitlist_schedule`
+(and envs.graph/plan/topology).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from envs.sim.cost import (
     work_split,
 )
 from envs.sim.kernels import assemble_tasks, ddp_buckets, expand_groups, group_edges, stage_of
-from envs.sim.schedule import busy_times, csr_and_indegree, schedule
+from envs.sim.schedule import busy_times, csr_and_indegree
+from envs.sim.waitlist_schedule import waitlist_schedule
 from envs.topology import Topology
 
 
@@ -674,10 +676,10 @@ class CompiledSimulator:
         nt = len(dur)
         succ_ptr, succ_idx, n_pred = csr_and_indegree(src, dst, nt)
         if host is None:
-            start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
+            start, finish, done = waitlist_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd)
         else:
-            start, finish, done = schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd,
-                                           host[0], host[1], dev_ptr, dev_idx, nd)
+            start, finish, done = waitlist_schedule(dur, pri, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, 3 * nd,
+                                                    host[0], host[1], dev_ptr, dev_idx, nd)
         if done != nt:  # pragma: no cover - would be a bug in the task graph
             raise RuntimeError(f"simulator deadlock: scheduled {done} of {nt} tasks")
         makespan = float(finish.max()) if nt else 0.0

@@ -84,7 +84,7 @@ def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pr
             r = res_idx[k]
             if free[r] > s:
                 s = free[r]
-        if s > est + 1e-15:
+        if s > est:
             size = _push(he, hp, ht, size, s, pr, t)
             continue
         f = s + duration[t]
@@ -128,7 +128,18 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
     for t in range(n):
         if remaining[t] == 0:
             size = _push(he, hp, ht, size, 0.0, priority[t], t)
-    done = 0
+    _, done = hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync, dev_ptr,
+                          dev_idx, start, finish, ready_at, remaining, free, host_free, he, hp, ht, size, 0, -1)
+    return start, finish, done
+
+
+@njit(cache=True)
+def hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync, dev_ptr, dev_idx,
+                start, finish, ready_at, remaining, free, host_free, he, hp, ht, size, done, max_repush):
+    """:func:`list_schedule_hosted`'s loop on its state (the ready heap (he, hp, ht) of ``size`` entries,
+    ``done`` tasks scheduled); returns (heap size, done). With ``max_repush >= 0`` it stops once that
+    many tasks went back to the heap, the state complete (:mod:`envs.sim.waitlist_schedule` goes on)."""
+    repushed = 0
     while size > 0:
         est, pr, t = he[0], hp[0], ht[0]
         size = _pop(he, hp, ht, size)
@@ -142,8 +153,11 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
             issued = host_free[dev_idx[k]] + h
             if issued > s:
                 s = issued
-        if s > est + 1e-15:
+        if s > est:
             size = _push(he, hp, ht, size, s, pr, t)
+            repushed += 1
+            if repushed == max_repush:
+                break
             continue
         f = s + duration[t]
         start[t] = s
@@ -171,7 +185,7 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
                     if host_free[dev_idx[k2]] + hu > e:
                         e = host_free[dev_idx[k2]] + hu
                 size = _push(he, hp, ht, size, e, priority[u], u)
-    return start, finish, done
+    return size, done
 
 
 @njit(cache=True)
@@ -192,11 +206,16 @@ def schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n
              host_cost=None, host_sync=None, dev_ptr=None, dev_idx=None, n_devices: int = 0):
     """Start and finish of every task: :func:`list_schedule_hosted` when any task costs host time,
     else the plain :func:`list_schedule`."""
-    if host_cost is not None and (host_cost.any() or (host_sync is not None and host_sync.any())):
+    if hosted(host_cost, host_sync):
         return list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources,
                                     np.ascontiguousarray(host_cost, dtype=np.float64),
                                     np.ascontiguousarray(host_sync, dtype=np.bool_), dev_ptr, dev_idx, int(n_devices))
     return list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources)
+
+
+def hosted(host_cost, host_sync) -> bool:
+    """Whether the hosts take part in the schedule (some task costs host time or blocks its host)."""
+    return host_cost is not None and bool(host_cost.any() or (host_sync is not None and host_sync.any()))
 
 
 @njit(cache=True)
