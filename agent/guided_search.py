@@ -102,7 +102,7 @@ class PolicyProposer:
                  groups_per_round: int = GROUPS_PER_ROUND, uniform: bool = False, global_batch: int | None = None):
         import torch as th
 
-        from agent.infer import policy_env, trim_padding
+        from agent.infer import padding_sizes, policy_env, trim_padding
         from envs.placement.observation import STATIC_KEYS
         from envs.tasks import Task
 
@@ -116,6 +116,7 @@ class PolicyProposer:
         self.k = int(groups_per_round)
         self.fe = model.policy.features_extractor
         self.static = {k: th.as_tensor(v)[None] for k, v in trim_padding(first).items() if k in STATIC_KEYS}
+        self.sizes = padding_sizes(first)  # the task's unpadded axis sizes (static: the same for every plan)
         with th.no_grad():
             self.dev_s, self.node_s = self.fe.static_embeddings(self.static)
         self.assign = np.zeros(self.n, dtype=np.int64)
@@ -171,12 +172,13 @@ class PolicyProposer:
         ``uniform``, the ablation: every allowed action equally likely, no forward pass)."""
         import torch as th
 
-        from agent.infer import trim_padding
+        from agent.infer import trim_to
+        from envs.placement.observation import DYNAMIC_KEYS
 
         rows, masks = [], []
         for v in groups:
-            obs = self.env.show_assignment(self.assign, v, self.globals)
-            rows.append(trim_padding(obs, dynamic_only=True))
+            obs = self.env.show_assignment(self.assign, v, self.globals, dynamic_only=True)
+            rows.append(trim_to(obs, self.sizes, DYNAMIC_KEYS))
             masks.append(self.env.action_masks())
         if self.uniform:
             return [m / m.sum() for m in (mask.astype(np.float64) for mask in masks)]

@@ -280,14 +280,27 @@ def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict
     logits simply end earlier), by each key's declared axes
     (:data:`envs.placement.observation.OBSERVATION`). ``dynamic_only``: only the
     :data:`~envs.placement.observation.DYNAMIC_KEYS` (the keys that change during an episode)."""
-    from envs.placement.observation import DYNAMIC_KEYS, GLOBAL_CHOICES, OBSERVATION
+    from envs.placement.observation import DYNAMIC_KEYS
+
+    return trim_to(obs, padding_sizes(obs), DYNAMIC_KEYS if dynamic_only else obs)
+
+
+def padding_sizes(obs: dict[str, np.ndarray]) -> dict[str, int]:
+    """The used (unpadded) size of each axis of one observation (its node, edge, device and option masks:
+    static keys, the same for the whole task)."""
+    from envs.placement.observation import GLOBAL_CHOICES
     from envs.placement.options import N_MODIFIERS
 
     options = max(int(obs["option_mask"].sum()), -(-GLOBAL_CHOICES // N_MODIFIERS))  # room for the global choices
-    size = {"nodes": max(int(obs["node_mask"].sum()), 1), "edges": max(int(obs["edge_mask"].sum()), 1),
+    return {"nodes": max(int(obs["node_mask"].sum()), 1), "edges": max(int(obs["edge_mask"].sum()), 1),
             "devices": max(int(obs["device_mask"].sum()), 1), "options": options, "actions": options * N_MODIFIERS}
-    keys = DYNAMIC_KEYS if dynamic_only else obs
-    return {k: obs[k][tuple(slice(size.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}
+
+
+def trim_to(obs: dict[str, np.ndarray], sizes: dict[str, int], keys) -> dict[str, np.ndarray]:
+    """``obs[k]`` for ``k`` in ``keys`` cut to :func:`padding_sizes` ``sizes`` along its declared axes."""
+    from envs.placement.observation import OBSERVATION
+
+    return {k: obs[k][tuple(slice(sizes.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}
 
 
 def rollouts(model, envs: list, task, deterministic: list[bool], rng: np.random.Generator | None = None,

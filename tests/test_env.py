@@ -739,4 +739,8 @@ def test_show_assignment_builds_the_loads_once_per_plan(small_tasks):
             for k in shown:
                 np.testing.assert_array_equal(shown[k], expected[k], err_msg=k)
             np.testing.assert_array_equal(env.action_masks(), fresh.action_masks())
+            dynamic = env.show_assignment(assign, v, (0, 1, 0), dynamic_only=True)  # the guided search's view
+            assert set(dynamic) == set(DYNAMIC_KEYS)
+            for k in dynamic:
+                np.testing.assert_array_equal(dynamic[k], expected[k], err_msg=k)
     assert len(reloads) == len(plans)

@@ -333,3 +333,23 @@ def test_lower_bound_holds_over_the_new_choices(seed):
         assert lb["lower_bound_any"] <= rep.value * (1 + 1e-9)
         if not rep.is_oom:
             assert lb["lower_bound"] <= rep.value * (1 + 1e-9)
+
+
+def test_a_plans_key_is_its_decisions_whatever_objects_hold_them(gpt, cluster):
+    """Plan.key (the evaluation caches' identity) is equal for equal decisions held by distinct objects
+    (rebuilt tuples and strings, other array dtypes) and differs when any one decision differs."""
+    p = megatron_plan(gpt, cluster, tp=2, pp=2, dp=2, microbatch_size=1, global_batch=8)
+    q = p.copy()
+    q.groups = [tuple(int(x) for x in list(g)) for g in q.groups]
+    q.layouts = ["".join(list(s)) for s in q.layouts]
+    q.dp, q.zero, q.ep = q.dp.astype(np.int32), q.zero.astype(np.int16), q.ep.astype(np.int32)
+    assert q.key() == p.key()
+    n = p.num_nodes
+    changed = [p.copy(microbatches=p.microbatches * 2), p.copy(schedule="gpipe"), p.copy(global_batch=16),
+               p.copy(dtype="fp32"), p.copy(state_bytes_per_param=12.0), p.copy(virtual_stages=2),
+               p.copy(recompute=np.ones(n, dtype=bool)), p.copy(zero=np.where(p.dp > 1, 1, 0)),
+               p.copy(groups=[g[::-1] for g in p.groups]),
+               p.copy(layouts=["replicate" if lay == "col_split" else lay for lay in p.layouts]),
+               p.copy(dp=np.where(p.dp > 1, 1, p.dp)), p.copy(ep=np.where(p.dp > 1, 2, 1))]
+    keys = {c.key() for c in changed}
+    assert p.key() not in keys and len(keys) == len(changed)

@@ -606,13 +606,14 @@ class PlacementEnv(gym.Env):
         """(microbatch choice index, schedule index, virtual-stage choice index); -1: not decided yet."""
         return self._globals()
 
-    def show_assignment(self, assign: np.ndarray, node: int, globals_: tuple[int, int, int] | None = None
-                        ) -> dict[str, np.ndarray]:
+    def show_assignment(self, assign: np.ndarray, node: int, globals_: tuple[int, int, int] | None = None,
+                        dynamic_only: bool = False) -> dict[str, np.ndarray]:
         """Refine mode: the observation of the complete plan ``assign`` (one action per group) with group
         ``node`` being decided, and ``globals_`` = (microbatch choice index, schedule index, virtual-stage
         choice index) if given; :meth:`action_masks` is then that decision's mask. For a search that asks
         the policy about plans it did not reach by stepping; the episode's rewards are stale afterwards,
-        so ``reset`` before stepping again."""
+        so ``reset`` before stepping again. ``dynamic_only``: only the
+        :data:`~envs.placement.observation.DYNAMIC_KEYS` arrays (a caller that holds the static ones)."""
         if self.mode != "refine" or self._p is None:
             raise RlplaceError("show_assignment needs a refine-mode environment after reset()")
         a = np.asarray(assign, dtype=np.int64)
@@ -633,7 +634,7 @@ class PlacementEnv(gym.Env):
         self._t = N_LEADING_PHASES + int(np.flatnonzero(self._p.order == int(node))[0])
         self._write_globals()
         self._prepare_decision()
-        return self._obs()
+        return self._dyn.arrays() if dynamic_only else self._obs()
 
     @property
     def current_plan_reward(self) -> float | None:
