@@ -731,7 +731,7 @@ class CompiledSimulator:
     # ------------------------------------------------------------------ memory
     def memory(self, pa: PlanArrays, stage: np.ndarray, p: int, expand=None) -> dict[str, np.ndarray]:
         """Vectorised :func:`envs.sim.cost.memory` (recomputation, ZeRO and sequence parallelism fall back
-        to the reference loop)."""
+        to :func:`envs.sim.cost.memory` itself)."""
         objective = "latency" if pa.objective == "latency" else "step_time"
         if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any():
             plan = pa.plan if pa.plan is not None else self.plan_of(pa, pa.like)

@@ -396,6 +396,18 @@ def model_state_bytes(params: float, state_bytes_per_param: float, param_bytes: 
     return params * (w + g + opt) / dp
 
 
+def model_state_bytes_per_node(params: np.ndarray, state_bytes_per_param: float, param_bytes: float,
+                               zero: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """:func:`model_state_bytes` of every node (the same operations, elementwise)."""
+    opt = max(state_bytes_per_param - 2 * param_bytes, 0.0)
+    w, g = param_bytes, param_bytes
+    sharded = (zero > 0) & (dp > 1)
+    out = params * state_bytes_per_param
+    out = np.where(sharded & (zero == 1), params * (w + g + opt / dp), out)
+    out = np.where(sharded & (zero == 2), params * (w + (g + opt) / dp), out)
+    return np.where(sharded & (zero >= 3), params * (w + g + opt) / dp, out)
+
+
 def interleaved_in_flight(p: int, v: int, rank: int, chunk: int, m: int) -> int:
     """Microbatches of local model chunk ``chunk`` (of ``v``) whose activations pipeline rank ``rank``
     (of ``p``) holds at its peak under interleaved 1F1B: the warm-up forwards, (p - rank - 1) x 2 +
@@ -421,82 +433,81 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
     part) or sequence split (Korthikanti et al. 2022, Table 2). In flight: GPipe all m microbatches,
     1F1B at most p - s on stage s (Narayanan et al., SC'21, Sec. 2.2), interleaved 1F1B
     :func:`interleaved_in_flight`."""
-    nd = topology.num_devices
-    node_states, node_acts = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
-    node_grad, node_full = np.zeros(graph.num_nodes), np.zeros(graph.num_nodes)
+    nd, n = topology.num_devices, graph.num_nodes
     transient = np.zeros(nd)
     accumulate = np.zeros(nd)
     gathered = np.zeros((nd, 2))
     pbytes = DTYPE_BYTES.get(graph.dtype, 2)
     m = plan.microbatches
     scale = 1.0 / graph.batch_size if objective == "latency" else plan.microbatch_size(graph) / graph.batch_size
-    pred = graph.predecessor_lists()
-    lid = layer_ids(graph)
     hosts = expert_hosts(graph, plan)
-    region = [(hosts[v], int(lid[v]) if lid[v] >= 0 else -1 - v) for v in range(graph.num_nodes)]
-    region_bytes: dict[tuple, float] = {}
-    counted: set = set()
     V = int(plan.virtual_stages)
-    chunk = plan.chunks(graph)[0] // num_stages if V > 1 else None
+    # per node, as arrays (each the same IEEE operations as the per-node formulas): group size, tensor
+    # degree, replicas, which layouts divide what
+    layouts = np.asarray(plan.layouts)
+    size = np.fromiter(map(len, plan.groups), dtype=np.int64, count=n)
+    dp_plan = plan.dp.astype(np.int64)
+    tp = size // dp_plan
+    dp = dp_plan // plan.ep.astype(np.int64)  # the replicas (an expert-parallel expert: one per EP group)
+    col_or_seq = (layouts == "col_split") | (layouts == "seq_split")
+    tensor_split = (layouts == "col_split") | (layouts == "row_split")
+    split = np.where(tensor_split, tp, 1)
+    zero = plan.zero.astype(np.int64)
     # a row split's partial sums reach a sequence-split consumer reduce-scattered: what is kept is the shard
-    scattered = np.zeros(graph.num_nodes, dtype=bool)
+    scattered = np.zeros(n, dtype=bool)
     if "seq_split" in plan.layouts:
         for e in range(graph.num_edges):
             u, w = int(graph.edge_src[e]), int(graph.edge_dst[e])
             if plan.layouts[u] == "row_split" and plan.layouts[w] == "seq_split" and plan.groups[u] == plan.groups[w]:
                 scattered[u] = True
-
-    def stash_of(u: int, dp_u: int) -> float:
-        """Bytes node u keeps for the backward per microbatch (its output and what it saves)."""
-        tpu = len(plan.groups[u]) // int(plan.dp[u])
-        lay = plan.layouts[u]
-        out = graph.out_bytes[u] * scale / dp_u
-        out /= tpu if lay in ("col_split", "seq_split") or scattered[u] else 1
-        if graph.saved_bytes[u] > 0:
-            saved = graph.saved_bytes[u] * scale / dp_u
-            out += saved / (tpu if lay in ("col_split", "row_split", "seq_split") else 1)
-        return out
-
-    for v in range(graph.num_nodes):
-        g = plan.groups[v]
-        lay = plan.layouts[v]
-        tp = len(g) // int(plan.dp[v])
-        dp = plan.replicas(v)  # the replicas (an expert-parallel expert: one per EP group)
-        split = tp if is_tensor_split(lay) else 1
-        params = graph.param_bytes[v] / pbytes / split
-        if objective == "latency" or graph.meta.get("memory_model") == "param_bytes":
-            # inference keeps weights only; imported workloads state their memory as bytes per node
-            st = graph.param_bytes[v] / split
-        else:
-            st = model_state_bytes(params, plan.state_bytes_per_param, pbytes, int(plan.zero[v]), dp)
-        if objective == "latency":
-            inflight = 1  # inference keeps no activations for a backward: only the outputs
-            stash = graph.out_bytes[v] * scale / 1
-            stash /= tp if lay in ("col_split", "seq_split") else 1
-        else:
-            if plan.schedule == "gpipe":
-                inflight = m
-            elif V > 1:
-                inflight = interleaved_in_flight(num_stages, V, int(stage[v]), int(chunk[v]), m)
-            else:
-                inflight = min(m, num_stages - int(stage[v]))
-            if plan.recompute[v]:
-                # checkpoint: keep the inputs that come from outside this recomputed region (one layer on
-                # one device group), unless their producer stashes them already
-                stash = 0.0
-                for p in pred[v]:
-                    if region[p] != region[v] and (plan.recompute[p] or hosts[p] != hosts[v]) \
-                            and (p, region[v]) not in counted:
-                        counted.add((p, region[v]))
-                        stash += graph.out_bytes[p] * scale / dp / (tp if plan.layouts[p] in ("col_split", "seq_split")
-                                                                    else 1)
-                region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + stash_of(v, dp)
-            else:
-                stash = stash_of(v, dp)
-        node_states[v] = st
-        node_acts[v] = stash * inflight
-        node_grad[v] = graph.param_bytes[v] / split if m > 1 and objective != "latency" else 0.0
-        node_full[v] = graph.param_bytes[v] / split if plan.zero[v] >= 3 and dp > 1 and objective != "latency" else 0.0
+    # model states (ZeRO, Rajbhandari et al. SC'20: model_state_bytes)
+    if objective == "latency" or graph.meta.get("memory_model") == "param_bytes":
+        # inference keeps weights only; imported workloads state their memory as bytes per node
+        node_states = graph.param_bytes / split
+    else:
+        node_states = model_state_bytes_per_node(graph.param_bytes / pbytes / split, plan.state_bytes_per_param,
+                                                 pbytes, zero, dp)
+    # bytes a node keeps for the backward per microbatch (its output and what it saves), per replica
+    stash = graph.out_bytes * scale / dp
+    stash = stash / np.where(col_or_seq | scattered, tp, 1)
+    saved = graph.saved_bytes * scale / dp
+    stash = np.where(graph.saved_bytes > 0,
+                     stash + saved / np.where(col_or_seq | (layouts == "row_split"), tp, 1), stash)
+    if objective == "latency":
+        inflight = np.ones(n, dtype=np.int64)  # inference keeps no activations for a backward: only the outputs
+        stash = graph.out_bytes * scale / 1 / np.where(col_or_seq, tp, 1)
+    elif plan.schedule == "gpipe":
+        inflight = np.full(n, m, dtype=np.int64)
+    elif V > 1:
+        chunk = plan.chunks(graph)[0] // num_stages
+        inflight = np.array([interleaved_in_flight(num_stages, V, int(stage[v]), int(chunk[v]), m) for v in range(n)],
+                            dtype=np.int64)
+    else:
+        inflight = np.minimum(m, num_stages - stage.astype(np.int64))
+    region_bytes: dict[tuple, float] = {}
+    if objective != "latency" and plan.recompute.any():
+        # checkpoint: keep the inputs that come from outside this recomputed region (one layer on one
+        # device group), unless their producer stashes them already
+        pred = graph.predecessor_lists()
+        lid = layer_ids(graph)
+        region = [(hosts[v], int(lid[v]) if lid[v] >= 0 else -1 - v) for v in range(n)]
+        counted: set = set()
+        kept = stash.copy()
+        for v in np.flatnonzero(plan.recompute).tolist():
+            inputs = 0.0
+            for p in pred[v]:
+                if region[p] != region[v] and (plan.recompute[p] or hosts[p] != hosts[v]) \
+                        and (p, region[v]) not in counted:
+                    counted.add((p, region[v]))
+                    inputs += graph.out_bytes[p] * scale / int(dp[v]) / (int(tp[v]) if plan.layouts[p] in
+                                                                        ("col_split", "seq_split") else 1)
+            region_bytes[region[v]] = region_bytes.get(region[v], 0.0) + stash[v]
+            kept[v] = inputs
+        stash = kept
+    node_acts = stash * inflight
+    node_grad = graph.param_bytes / split if m > 1 and objective != "latency" else np.zeros(n)
+    node_full = np.where((zero >= 3) & (dp > 1), graph.param_bytes / split, 0.0) if objective != "latency" \
+        else np.zeros(n)
     # per device, node by node (bincount adds in input order: the same sums as a loop over the nodes)
     counts = np.fromiter((len(h) for h in hosts), dtype=np.int64, count=graph.num_nodes)
     node_of = np.repeat(np.arange(graph.num_nodes), counts)
