@@ -438,15 +438,18 @@ class Plan:
                               self.dtype, self.state_bytes_per_param, self.virtual_stages), 2)
 
     def copy(self, **changes) -> Plan:
-        p = Plan(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
-                 recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
-                 global_batch=self.global_batch, dtype=self.dtype, state_bytes_per_param=self.state_bytes_per_param,
-                 provenance=dict(self.provenance), graph_id=self.graph_id, zero=self.zero.copy(),
-                 virtual_stages=self.virtual_stages, ep=self.ep.copy())
-        for k, v in changes.items():
-            setattr(p, k, v)
-        p.__post_init__()
-        return p
+        """An independent copy with ``changes`` (field values, checked as the constructor checks them)."""
+        fields = dict(groups=list(self.groups), layouts=list(self.layouts), dp=self.dp.copy(),
+                      recompute=self.recompute.copy(), microbatches=self.microbatches, schedule=self.schedule,
+                      global_batch=self.global_batch, dtype=self.dtype,
+                      state_bytes_per_param=self.state_bytes_per_param, provenance=dict(self.provenance),
+                      graph_id=self.graph_id, zero=self.zero.copy(), virtual_stages=self.virtual_stages,
+                      ep=self.ep.copy())
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise PlanError(f"Plan.copy: unknown field(s) {', '.join(sorted(unknown))}")
+        fields.update(changes)
+        return Plan(**fields)
 
 
 def is_attention_core(graph: OpGraph, v: int) -> bool:

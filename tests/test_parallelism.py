@@ -353,3 +353,14 @@ def test_a_plans_key_is_its_decisions_whatever_objects_hold_them(gpt, cluster):
                p.copy(dp=np.where(p.dp > 1, 1, p.dp)), p.copy(ep=np.where(p.dp > 1, 2, 1))]
     keys = {c.key() for c in changed}
     assert p.key() not in keys and len(keys) == len(changed)
+
+
+def test_a_plan_copy_checks_its_changes_once_and_refuses_unknown_fields(gpt, cluster):
+    p = megatron_plan(gpt, cluster, tp=2, pp=2, dp=2, microbatch_size=1, global_batch=8)
+    q = p.copy(dp=p.dp.tolist(), layouts=tuple(p.layouts))  # normalised as the constructor does
+    assert q.key() == p.key() and q.dp.dtype == np.int64 and isinstance(q.layouts, list)
+    assert q.groups is not p.groups and q.dp is not p.dp
+    with pytest.raises(PlanError, match="unknown field"):
+        p.copy(microbatch=4)
+    with pytest.raises(PlanError, match="microbatches must be an integer"):
+        p.copy(microbatches=2.5)
