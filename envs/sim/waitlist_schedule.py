@@ -25,22 +25,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from envs.sim.schedule import _pop, _push, hosted, hosted_loop
+from envs.sim.schedule import _less, _pop, _push, hosted, hosted_loop
 
 
 # ---------------------------------------------------------------------- the lists' heap (indexed)
 # Ready tasks stay in the specification's heap (envs.sim.schedule._push/_pop); the wait lists that have
 # waiting tasks are in a second, small heap keyed by (bound, head's priority, head), which is re-keyed in
 # place; the next entry is the lesser of the two tops.
-@njit(cache=True, inline="always")
-def _less(ea, pa, ta, eb, pb, tb) -> bool:
-    if ea != eb:
-        return ea < eb
-    if pa != pb:
-        return pa < pb
-    return ta < tb
-
-
 @njit(cache=True)
 def _list_sift(lheap, lpos, le, lp, lt, i, size) -> None:
     """Restore the heap order around position ``i`` (up, then down)."""
