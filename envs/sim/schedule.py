@@ -64,17 +64,7 @@ def _pop(he, hp, ht, size) -> int:
 def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources):
     """Return (start, finish, number scheduled). ``res_*`` and ``succ_*`` are CSR adjacency arrays. The
     ready queue is a binary heap on (earliest start, priority, task)."""
-    n = duration.shape[0]
-    start = np.full(n, -1.0)
-    finish = np.full(n, -1.0)
-    ready_at = np.zeros(n)
-    remaining = n_pred.copy()
-    free = np.zeros(n_resources)
-    he, hp, ht = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
-    size = 0
-    for t in range(n):
-        if remaining[t] == 0:
-            size = _push(he, hp, ht, size, 0.0, priority[t], t)
+    (start, finish, ready_at, remaining, free, _, he, hp, ht), size = hosted_state(priority, n_pred, n_resources, 0)
     done = 0
     while size > 0:
         est, pr, t = he[0], hp[0], ht[0]
@@ -116,21 +106,26 @@ def list_schedule_hosted(duration, priority, res_ptr, res_idx, succ_ptr, succ_id
     except after a task with ``host_sync[t]``, whose finish the hosts of its devices wait for (a blocking
     transfer). A host-bound step (small kernels, Python overhead) runs at the hosts' pace; a GPU-bound
     one is unchanged. Hosts issue in the order tasks start, which is program order per device."""
-    n = duration.shape[0]
-    start = np.full(n, -1.0)
-    finish = np.full(n, -1.0)
-    ready_at = np.zeros(n)
-    remaining = n_pred.copy()
-    free = np.zeros(n_resources)
-    host_free = np.zeros(n_devices)
+    state, size = hosted_state(priority, n_pred, n_resources, n_devices)
+    _, done = hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync, dev_ptr,
+                          dev_idx, *state, size, 0, -1)
+    return state[0], state[1], done
+
+
+@njit(cache=True)
+def hosted_state(priority, n_pred, n_resources, n_devices):
+    """The state :func:`hosted_loop` starts from: ((start, finish, ready_at, remaining predecessors, resource
+    free times, host free times, the ready heap's he, hp, ht), heap size), the tasks without predecessors
+    in the heap."""
+    n = priority.shape[0]
     he, hp, ht = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     size = 0
     for t in range(n):
-        if remaining[t] == 0:
+        if n_pred[t] == 0:
             size = _push(he, hp, ht, size, 0.0, priority[t], t)
-    _, done = hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync, dev_ptr,
-                          dev_idx, start, finish, ready_at, remaining, free, host_free, he, hp, ht, size, 0, -1)
-    return start, finish, done
+    state = (np.full(n, -1.0), np.full(n, -1.0), np.zeros(n), n_pred.copy(), np.zeros(n_resources), np.zeros(n_devices),
+             he, hp, ht)
+    return state, size
 
 
 @njit(cache=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from envs.sim.schedule import _less, _pop, _push, hosted, hosted_loop
+from envs.sim.schedule import _less, _pop, _push, hosted, hosted_loop, hosted_state
 
 
 # ---------------------------------------------------------------------- the lists' heap (indexed)
@@ -193,20 +193,8 @@ def list_schedule_waitlists(duration, priority, res_ptr, res_idx, succ_ptr, succ
     (without hosts: zero host costs and no devices per task, equal to ``list_schedule``). The
     specification's loop runs until ``park_after`` tasks went back to its heap (where few tasks compete
     the lists would not pay for their set-up), then :func:`_parked_loop` goes on from its state."""
-    n = duration.shape[0]
-    start = np.full(n, -1.0)
-    finish = np.full(n, -1.0)
-    ready_at = np.zeros(n)
-    remaining = n_pred.copy()
-    free = np.zeros(n_resources)
-    host_free = np.zeros(n_devices)
-    he, hp, ht = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
-    size = 0
-    for t in range(n):
-        if remaining[t] == 0:
-            size = _push(he, hp, ht, size, 0.0, priority[t], t)
+    state, size = hosted_state(priority, n_pred, n_resources, n_devices)
     done = 0
-    state = (start, finish, ready_at, remaining, free, host_free, he, hp, ht)
     if park_after > 0:
         size, done = hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync,
                                  dev_ptr, dev_idx, *state, size, done, park_after)
@@ -218,7 +206,7 @@ def list_schedule_waitlists(duration, priority, res_ptr, res_idx, succ_ptr, succ
         else:
             done = _parked_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync,
                                 dev_ptr, dev_idx, *state, size, done, sig, n_lists)
-    return start, finish, done
+    return state[0], state[1], done
 
 
 @njit(cache=True)
