@@ -125,3 +125,17 @@ def test_the_wait_lists_schedule_a_crowd_on_one_resource_as_the_specification():
     assert done == n and ws.tolist() == s.tolist() and wf.tolist() == f.tolist()
     order = np.argsort(s, kind="stable")
     assert np.all(f[order][:-1] <= s[order][1:])
+
+
+def test_tasks_share_a_wait_list_exactly_when_their_constraints_are_equal():
+    """One list per distinct (resources, devices, host cost): tasks of a list share their bound."""
+    from envs.sim.waitlist_schedule import _signatures
+
+    args = contended_tasks(3, 300, True)
+    rp, ri, dp, di, host = args[2], args[3], args[10], args[11], args[8]
+    sig, n_lists = _signatures(rp, ri, dp, di, np.ascontiguousarray(host, dtype=np.float64).view(np.uint64))
+    keys = [(tuple(ri[rp[t]:rp[t + 1]]), tuple(di[dp[t]:dp[t + 1]]), float(host[t])) for t in range(len(host))]
+    assert n_lists == len(set(keys))
+    for a in range(len(keys)):
+        for b in range(a + 1, len(keys)):
+            assert (sig[a] == sig[b]) == (keys[a] == keys[b])
