@@ -64,37 +64,12 @@ def _pop(he, hp, ht, size) -> int:
 def list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources):
     """Return (start, finish, number scheduled). ``res_*`` and ``succ_*`` are CSR adjacency arrays. The
     ready queue is a binary heap on (earliest start, priority, task)."""
-    (start, finish, ready_at, remaining, free, _, he, hp, ht), size = hosted_state(priority, n_pred, n_resources, 0)
-    done = 0
-    while size > 0:
-        est, pr, t = he[0], hp[0], ht[0]
-        size = _pop(he, hp, ht, size)
-        s = est
-        for k in range(res_ptr[t], res_ptr[t + 1]):
-            r = res_idx[k]
-            if free[r] > s:
-                s = free[r]
-        if s > est:
-            size = _push(he, hp, ht, size, s, pr, t)
-            continue
-        f = s + duration[t]
-        start[t] = s
-        finish[t] = f
-        done += 1
-        for k in range(res_ptr[t], res_ptr[t + 1]):
-            free[res_idx[k]] = f
-        for k in range(succ_ptr[t], succ_ptr[t + 1]):
-            u = succ_idx[k]
-            if f > ready_at[u]:
-                ready_at[u] = f
-            remaining[u] -= 1
-            if remaining[u] == 0:
-                e = ready_at[u]  # the start as of now: a lower bound (see list_schedule_hosted)
-                for k2 in range(res_ptr[u], res_ptr[u + 1]):
-                    if free[res_idx[k2]] > e:
-                        e = free[res_idx[k2]]
-                size = _push(he, hp, ht, size, e, priority[u], u)
-    return start, finish, done
+    n = duration.shape[0]
+    # :func:`hosted_loop` with no host taking part: no host time, no devices per task
+    state, size = hosted_state(priority, n_pred, n_resources, 0)
+    _, done = hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, np.zeros(n), np.zeros(n, dtype=np.bool_),
+                          np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), *state, size, 0, -1)
+    return state[0], state[1], done
 
 
 @njit(cache=True)
@@ -154,32 +129,9 @@ def hosted_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_c
             if repushed == max_repush:
                 break
             continue
-        f = s + duration[t]
-        start[t] = s
-        finish[t] = f
+        size = start_task(t, s, duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync,
+                          dev_ptr, dev_idx, start, finish, ready_at, remaining, free, host_free, he, hp, ht, size)
         done += 1
-        for k in range(res_ptr[t], res_ptr[t + 1]):
-            free[res_idx[k]] = f
-        for k in range(dev_ptr[t], dev_ptr[t + 1]):
-            d = dev_idx[k]
-            host_free[d] = max(f, host_free[d] + h) if host_sync[t] else host_free[d] + h
-        for k in range(succ_ptr[t], succ_ptr[t + 1]):
-            u = succ_idx[k]
-            if f > ready_at[u]:
-                ready_at[u] = f
-            remaining[u] -= 1
-            if remaining[u] == 0:
-                # key: the start as of now, a lower bound (resources and hosts only get busier), so
-                # the order of starts is the same as with the ready time, with fewer re-pushes
-                e = ready_at[u]
-                for k2 in range(res_ptr[u], res_ptr[u + 1]):
-                    if free[res_idx[k2]] > e:
-                        e = free[res_idx[k2]]
-                hu = host_cost[u]
-                for k2 in range(dev_ptr[u], dev_ptr[u + 1]):
-                    if host_free[dev_idx[k2]] + hu > e:
-                        e = host_free[dev_idx[k2]] + hu
-                size = _push(he, hp, ht, size, e, priority[u], u)
     return size, done
 
 
@@ -206,6 +158,47 @@ def schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n
                                     np.ascontiguousarray(host_cost, dtype=np.float64),
                                     np.ascontiguousarray(host_sync, dtype=np.bool_), dev_ptr, dev_idx, int(n_devices))
     return list_schedule(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, n_pred, n_resources)
+
+
+@njit(cache=True, inline="always")
+def start_now(t, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free) -> float:
+    """When task t could start as of now: its ready time, its resources' and its hosts' (a lower bound of
+    its start, as resources and hosts only get busier; exact when it is the next to start)."""
+    s = ready_at[t]
+    for k in range(res_ptr[t], res_ptr[t + 1]):
+        if free[res_idx[k]] > s:
+            s = free[res_idx[k]]
+    h = host_cost[t]
+    for k in range(dev_ptr[t], dev_ptr[t + 1]):
+        if host_free[dev_idx[k]] + h > s:
+            s = host_free[dev_idx[k]] + h
+    return s
+
+
+@njit(cache=True, inline="always")
+def start_task(t, s, duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync, dev_ptr,
+               dev_idx, start, finish, ready_at, remaining, free, host_free, he, hp, ht, size) -> int:
+    """Task t starts at s: its finish, its resources' and hosts' new free times, and the successors it
+    makes ready pushed to the heap keyed by their :func:`start_now` (the order of starts is the same as
+    with the ready time, with fewer re-pushes); the heap's new size."""
+    f = s + duration[t]
+    start[t] = s
+    finish[t] = f
+    for k in range(res_ptr[t], res_ptr[t + 1]):
+        free[res_idx[k]] = f
+    h = host_cost[t]
+    for k in range(dev_ptr[t], dev_ptr[t + 1]):
+        d = dev_idx[k]
+        host_free[d] = max(f, host_free[d] + h) if host_sync[t] else host_free[d] + h
+    for k in range(succ_ptr[t], succ_ptr[t + 1]):
+        u = succ_idx[k]
+        if f > ready_at[u]:
+            ready_at[u] = f
+        remaining[u] -= 1
+        if remaining[u] == 0:
+            e = start_now(u, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
+            size = _push(he, hp, ht, size, e, priority[u], u)
+    return size
 
 
 def hosted(host_cost, host_sync) -> bool:

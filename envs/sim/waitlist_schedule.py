@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from envs.sim.schedule import _less, _pop, _push, hosted, hosted_loop, hosted_state
+from envs.sim.schedule import _less, _pop, hosted, hosted_loop, hosted_state, start_now, start_task
 
 
 # ---------------------------------------------------------------------- the lists' heap (indexed)
@@ -228,7 +228,7 @@ def _parked_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_
             e, t = le[w], root[w]
         else:
             e, t = he[0], ht[0]
-        s = _start_now(t, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
+        s = start_now(t, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
         if s > e:  # a stale bound
             if from_list:  # the list's bound moved (its tasks share it): re-key the list
                 _list_key(lheap, lpos, le, lp, lt, lsize, w, s, priority[t], t)
@@ -244,47 +244,17 @@ def _parked_loop(duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_
             root[w] = _delete_min(t, priority, child, sib, stack)
         else:
             size = _pop(he, hp, ht, size)
-        f = s + duration[t]
-        start[t] = s
-        finish[t] = f
+        size = start_task(t, s, duration, priority, res_ptr, res_idx, succ_ptr, succ_idx, host_cost, host_sync,
+                          dev_ptr, dev_idx, start, finish, ready_at, remaining, free, host_free, he, hp, ht, size)
         done += 1
-        for k in range(res_ptr[t], res_ptr[t + 1]):
-            free[res_idx[k]] = f
-        h = host_cost[t]
-        for k in range(dev_ptr[t], dev_ptr[t + 1]):
-            d = dev_idx[k]
-            host_free[d] = max(f, host_free[d] + h) if host_sync[t] else host_free[d] + h
-        if from_list:
+        if from_list:  # t left its list: the list's key is its new head's start now
             head = root[w]
             if head == -1:
                 lsize = _list_drop_top(lheap, lpos, le, lp, lt, lsize)
-            else:  # the new head's start now is the list's bound
-                b = _start_now(head, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
+            else:
+                b = start_now(head, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
                 _list_key(lheap, lpos, le, lp, lt, lsize, w, b, priority[head], head)
-        for k in range(succ_ptr[t], succ_ptr[t + 1]):
-            u = succ_idx[k]
-            if f > ready_at[u]:
-                ready_at[u] = f
-            remaining[u] -= 1
-            if remaining[u] == 0:
-                e2 = _start_now(u, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free)
-                size = _push(he, hp, ht, size, e2, priority[u], u)
     return done
-
-
-@njit(cache=True, inline="always")
-def _start_now(t, ready_at, res_ptr, res_idx, free, host_cost, dev_ptr, dev_idx, host_free) -> float:
-    """When task t could start as of now: its ready time, its resources' and its hosts' (a lower bound
-    of its start, exact when it is the next to start)."""
-    s = ready_at[t]
-    for k in range(res_ptr[t], res_ptr[t + 1]):
-        if free[res_idx[k]] > s:
-            s = free[res_idx[k]]
-    h = host_cost[t]
-    for k in range(dev_ptr[t], dev_ptr[t + 1]):
-        if host_free[dev_idx[k]] + h > s:
-            s = host_free[dev_idx[k]] + h
-    return s
 
 
 PARK_AFTER = 0.5  # tasks found waiting, per task, before waiting tasks park (measured: 0.25-0.5 best)
