@@ -102,7 +102,7 @@ class PolicyProposer:
                  groups_per_round: int = GROUPS_PER_ROUND, uniform: bool = False, global_batch: int | None = None):
         import torch as th
 
-        from agent.infer import padding_sizes, policy_env, trim_padding
+        from agent.infer import padding_sizes, policy_env, trim_to
         from envs.placement.observation import STATIC_KEYS
         from envs.tasks import Task
 
@@ -115,8 +115,8 @@ class PolicyProposer:
         self.n = self.prep.graph.num_nodes
         self.k = int(groups_per_round)
         self.fe = model.policy.features_extractor
-        self.static = {k: th.as_tensor(v)[None] for k, v in trim_padding(first).items() if k in STATIC_KEYS}
         self.sizes = padding_sizes(first)  # the task's unpadded axis sizes (static: the same for every plan)
+        self.static = {k: th.as_tensor(v)[None] for k, v in trim_to(first, self.sizes, STATIC_KEYS).items()}
         with th.no_grad():
             self.dev_s, self.node_s = self.fe.static_embeddings(self.static)
         self.assign = np.zeros(self.n, dtype=np.int64)

@@ -327,14 +327,14 @@ def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Ge
               start: Plan | None = None) -> list[dict]:
     import torch as th
 
-    from envs.placement.observation import STATIC_KEYS
+    from envs.placement.observation import DYNAMIC_KEYS, STATIC_KEYS
 
     options = {"task": task} if start is None else {"task": task, "start": start}
     obs = [e.reset(options=options)[0] for e in envs]
     done = [False] * len(envs)
     infos: list[dict] = [{} for _ in envs]
-    first = trim_padding(obs[0])  # same task in every env: the same static arrays and sizes
-    static = {k: th.as_tensor(first[k])[None] for k in STATIC_KEYS}
+    sizes = padding_sizes(obs[0])  # same task in every env: the same static arrays and sizes
+    static = {k: th.as_tensor(v)[None] for k, v in trim_to(obs[0], sizes, STATIC_KEYS).items()}
     with th.no_grad():
         dev_s, node_s = fe.static_embeddings(static)
         while not all(done):
@@ -343,7 +343,7 @@ def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Ge
             choose = [i for i in active if masks[i].sum() > 1]
             logits = {}
             if choose:
-                trimmed = [trim_padding(obs[i], dynamic_only=True) for i in choose]
+                trimmed = [trim_to(obs[i], sizes, DYNAMIC_KEYS) for i in choose]
                 batch = {k: th.as_tensor(np.stack([o[k] for o in trimmed])) for k in trimmed[0]}
                 b = len(choose)
                 batch.update({k: v.expand(b, *v.shape[1:]) for k, v in static.items()})
