@@ -64,3 +64,45 @@ def test_target_a_report_shows_the_untrained_ablation():
                         "target": "geomean >= 1.00 and min >= 0.90"})
     assert "untrained network of the policy's architecture: 1.000 — training's own gain 1.111" in md
     assert "| 1.111 | 1.000 |" in md
+
+
+# ---------------------------------------------------------------------- experiments/bench_search.py
+def test_search_seeds_rows_are_deterministic_and_mcmc_gets_places_evaluations():
+    from agent.infer import PRETRAINED
+    from experiments.bench_search import all_cases, seed_row
+
+    job = (all_cases()["mlp-chain@pcie-4gpu"], str(PRETRAINED), 1, 40)
+    a, b = seed_row(job), seed_row(job)
+    a.pop("place_seconds"), b.pop("place_seconds")
+    assert a == b and a["seed"] == 1
+    assert a["place_ms"] <= a["heuristic_ms"] and a["mcmc_ms"] <= a["heuristic_ms"]
+    assert 40 < a["evaluations"] and abs(a["mcmc_over_place"] - a["mcmc_ms"] / a["place_ms"]) < 1e-12
+
+
+def test_search_seeds_summary_pools_rows_and_measures_the_seed_spread():
+    from experiments.bench_search import markdown, summarize
+
+    rows = [{"case": "x", "seed": 0, "place_ms": 10.0, "mcmc_ms": 12.0, "mcmc_over_place": 1.2},
+            {"case": "x", "seed": 1, "place_ms": 12.5, "mcmc_ms": 10.0, "mcmc_over_place": 0.8},
+            {"case": "y", "seed": 0, "place_ms": 5.0, "mcmc_ms": 5.0, "mcmc_over_place": 1.0}]
+    res = summarize(rows)
+    assert res["n"] == 3 and res["cases"] == 2 and res["matches_mcmc"] == 2
+    assert abs(res["geomean_mcmc_over_place"] - (1.2 * 0.8) ** (1 / 3)) < 1e-12
+    assert res["seed_spread"] == {"x": 1.25, "y": 1.0}
+    for r in rows:
+        r.update(evaluations=100, heuristic_ms=13.0)
+    md = markdown({**res, "evaluations": 100, "seeds": [0, 1], "seconds": 1.0})
+    assert "**2 of 3**" in md and "| x | 1 | 100 | 13.000 | 12.500 | 10.000 | 0.8000 | 1.2500 |" in md
+
+
+def test_search_seeds_bad_arguments_exit_2_before_any_work(tmp_path, capsys):
+    import pytest
+
+    from experiments.bench_search import main
+
+    for bad in (["--cases", "no-such-case"], ["--seeds", "a,b"], ["--evaluations", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*bad, "--out", str(tmp_path / "out")])
+        assert exc.value.code == 2
+    assert main(["--policy", str(tmp_path / "missing.zip"), "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
