@@ -177,3 +177,29 @@ def test_a_start_plans_global_batch_carries_over_to_every_proposal(task, search)
     assert len(seen) > 40 and {b for b, _ in seen} == {batch}
     assert all(batch % m == 0 for _, m in seen) and len({m for _, m in seen}) > 1
     assert best.global_batch == batch
+
+
+def test_an_accepted_policy_move_keeps_the_rounds_other_distributions(task):
+    """A round's forward pass serves several accepted moves: after one, the round goes on with the other
+    groups' distributions (copies: the plan left keeps its own memory), the moved group's class dropped."""
+    import numpy as np
+
+    from agent.guided_search import PolicyProposer, digest
+
+    prop = PolicyProposer(task["model"], task["graph"], task["topology"], "step_time", None, groups_per_round=8)
+    plan = task["start"].plan
+    prop.sync(plan)
+    rng = np.random.default_rng(0)
+    cand, move = prop.propose(plan, rng, set())
+    assert cand is not None
+    before = {u: p.copy() for u, _, p in prop.round}
+    left = prop.untried
+    prop.accepted(move, digest(cand))
+    c = int(prop.prep.class_of[move[0]])
+    moved = set(prop.prep.class_members[c]) if c >= 0 else {move[0]}
+    assert [u for u, _, _ in prop.round] == [u for u in before if u not in moved]
+    for u, _, p in prop.round:
+        assert np.array_equal(p, before[u]) and p is not left[u][1]
+        p[:] = 0.0  # trying them at the new plan leaves the old plan's memory as it was
+    assert all(left[u][1].sum() > 0 for u in before if u not in moved and before[u].sum() > 0)
+    assert prop.untried is not left and not prop.untried  # the new plan's own memory starts empty
