@@ -32,8 +32,9 @@ Measured (``experiments/bench_search.py``, 15 cases x 2 seeds at 4,000 evaluatio
 as ending the round at every accepted move (geometric mean 0.999 of its times, the same 24 of 29 rows
 matching MCMC; the seeds' median spread is 0.25%) at about half the cost per evaluation (series-parallel
 DAG 4.5 -> 2.3 ms, t5 6.2 -> 3.1 ms), so ``place``'s time budget buys about twice the evaluations.
-While the current plan stays, a group is
-scored once (later rounds reuse its distribution) and a move is proposed once: the moves are drawn
+
+While the current plan stays, a group is scored once (later rounds reuse its distribution) and a move
+is proposed once: the moves are drawn
 without replacement from the policy's distribution at that plan, remembered for the last
 ``UNTRIED_PLANS`` plans, as annealing keeps returning to plans it left. A policy move that would
 re-create a plan the search has already scored is skipped (a near-deterministic policy otherwise
