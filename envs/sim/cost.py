@@ -380,32 +380,20 @@ def expert_exchanges(graph: OpGraph, plan: Plan) -> list[ExpertExchange]:
     return out
 
 
-def model_state_bytes(params: float, state_bytes_per_param: float, param_bytes: float, zero: int, dp: int) -> float:
+def model_state_bytes(params, state_bytes_per_param: float, param_bytes: float, zero, dp):
     """Model-state bytes on one replica of ``params`` parameters: weights and gradients (``param_bytes``
     each) plus the optimizer states (the rest of ``state_bytes_per_param``), ZeRO stage ``zero`` sharding
     the optimizer states (1), also the gradients (2), also the weights (3) over the ``dp`` replicas:
-    16P, 4P + 12P/N, 2P + 14P/N, 16P/N for mixed-precision Adam (Rajbhandari et al., SC'20, Fig. 1)."""
-    if zero <= 0 or dp <= 1:
-        return params * state_bytes_per_param
+    16P, 4P + 12P/N, 2P + 14P/N, 16P/N for mixed-precision Adam (Rajbhandari et al., SC'20, Fig. 1).
+    ``params``, ``zero`` and ``dp`` may be per-node arrays (elementwise; an array comes back), or numbers
+    (a float comes back)."""
     opt = max(state_bytes_per_param - 2 * param_bytes, 0.0)
     w, g = param_bytes, param_bytes
-    if zero == 1:
-        return params * (w + g + opt / dp)
-    if zero == 2:
-        return params * (w + (g + opt) / dp)
-    return params * (w + g + opt) / dp
-
-
-def model_state_bytes_per_node(params: np.ndarray, state_bytes_per_param: float, param_bytes: float,
-                               zero: np.ndarray, dp: np.ndarray) -> np.ndarray:
-    """:func:`model_state_bytes` of every node (the same operations, elementwise)."""
-    opt = max(state_bytes_per_param - 2 * param_bytes, 0.0)
-    w, g = param_bytes, param_bytes
-    sharded = (zero > 0) & (dp > 1)
-    out = params * state_bytes_per_param
-    out = np.where(sharded & (zero == 1), params * (w + g + opt / dp), out)
+    sharded = (np.asarray(zero) > 0) & (np.asarray(dp) > 1)
+    out = np.where(sharded & (zero == 1), params * (w + g + opt / dp), params * state_bytes_per_param)
     out = np.where(sharded & (zero == 2), params * (w + (g + opt) / dp), out)
-    return np.where(sharded & (zero >= 3), params * (w + g + opt) / dp, out)
+    out = np.where(sharded & (zero >= 3), params * (w + g + opt) / dp, out)
+    return out if out.ndim else float(out)
 
 
 def interleaved_in_flight(p: int, v: int, rank: int, chunk: int, m: int) -> int:
@@ -465,25 +453,26 @@ def memory(graph: OpGraph, topology: Topology, plan: Plan, stage: np.ndarray, nu
         # inference keeps weights only; imported workloads state their memory as bytes per node
         node_states = graph.param_bytes / split
     else:
-        node_states = model_state_bytes_per_node(graph.param_bytes / pbytes / split, plan.state_bytes_per_param,
-                                                 pbytes, zero, dp)
-    # bytes a node keeps for the backward per microbatch (its output and what it saves), per replica
-    stash = graph.out_bytes * scale / dp
-    stash = stash / np.where(col_or_seq | scattered, tp, 1)
-    saved = graph.saved_bytes * scale / dp
-    stash = np.where(graph.saved_bytes > 0,
-                     stash + saved / np.where(col_or_seq | (layouts == "row_split"), tp, 1), stash)
+        node_states = model_state_bytes(graph.param_bytes / pbytes / split, plan.state_bytes_per_param, pbytes,
+                                        zero, dp)
     if objective == "latency":
         inflight = np.ones(n, dtype=np.int64)  # inference keeps no activations for a backward: only the outputs
         stash = graph.out_bytes * scale / 1 / np.where(col_or_seq, tp, 1)
-    elif plan.schedule == "gpipe":
-        inflight = np.full(n, m, dtype=np.int64)
-    elif V > 1:
-        chunk = plan.chunks(graph)[0] // num_stages
-        inflight = np.array([interleaved_in_flight(num_stages, V, int(stage[v]), int(chunk[v]), m) for v in range(n)],
-                            dtype=np.int64)
     else:
-        inflight = np.minimum(m, num_stages - stage.astype(np.int64))
+        # bytes a node keeps for the backward per microbatch (its output and what it saves), per replica
+        stash = graph.out_bytes * scale / dp
+        stash = stash / np.where(col_or_seq | scattered, tp, 1)
+        saved = graph.saved_bytes * scale / dp
+        stash = np.where(graph.saved_bytes > 0,
+                         stash + saved / np.where(col_or_seq | (layouts == "row_split"), tp, 1), stash)
+        if plan.schedule == "gpipe":
+            inflight = np.full(n, m, dtype=np.int64)
+        elif V > 1:
+            chunk = plan.chunks(graph)[0] // num_stages
+            inflight = np.array([interleaved_in_flight(num_stages, V, int(stage[v]), int(chunk[v]), m)
+                                 for v in range(n)], dtype=np.int64)
+        else:
+            inflight = np.minimum(m, num_stages - stage.astype(np.int64))
     region_bytes: dict[tuple, float] = {}
     if objective != "latency" and plan.recompute.any():
         # checkpoint: keep the inputs that come from outside this recomputed region (one layer on one
