@@ -160,7 +160,6 @@ def search_case(job: tuple[dict, str, float]) -> dict:
     from agent.guided_search import guided_search
     from agent.infer import DEFAULT_BUDGET_SECONDS, Candidate, cached_policy, place, run_baselines
     from agent.placers import Budget, run_placer
-    from envs.evaluator import CachedSimulation
 
     case, policy, mcmc_seconds = job
     g, topo, what = resolve(case)
@@ -177,10 +176,7 @@ def search_case(job: tuple[dict, str, float]) -> dict:
     mcmc_value = float(mcmc.provenance.get("predicted_value", curve_mcmc[-1][1] if curve_mcmc else base.value))
     mcmc_evals = int(mcmc.provenance.get("evaluations", curve_mcmc[-1][0] if curve_mcmc else 0))
     # the same number of evaluations as the guided pipeline used
-    eq = run_placer("mcmc", g, topo, seed=0, objective="step_time", budget=Budget(evaluations=max(guided_evals, 1)),
-                    start=base.plan.copy())
-    ev = CachedSimulation()
-    eq_value = float(ev.evaluate(g, topo, eq).value)
+    eq_value = mcmc_from(g, topo, base.plan, guided_evals)
     # guided search from place's best start with 1/10 of MCMC's evaluations (its rollouts counted)
     start = min([c for c in res.candidates if c.kind in ("policy", "baseline")], key=Candidate.key)
     tenth = max(1, mcmc_evals // 10 - res.evaluations["policy"])
@@ -270,10 +266,15 @@ def search_ceiling(graph, topology, start, evaluations: int) -> float:
     """The objective value MCMC reaches from ``start`` (the shipped policy's plan) with ``evaluations``
     (the dataset search's budget, seed 0): what a student that matched its teacher's search would gain on
     a held-out member. A family whose headroom is small has little for training to find."""
+    return mcmc_from(graph, topology, start, evaluations)
+
+
+def mcmc_from(graph, topology, start, evaluations: int, seed: int = 0) -> float:
+    """The step time of MCMC's plan from ``start`` with ``evaluations`` simulator evaluations (seeded)."""
     from agent.placers import Budget, run_placer
 
-    plan = run_placer("mcmc", graph, topology, seed=0, objective="step_time", budget=Budget(evaluations=evaluations),
-                      start=start.copy())
+    plan = run_placer("mcmc", graph, topology, seed=seed, objective="step_time",
+                      budget=Budget(evaluations=max(int(evaluations), 1)), start=start.copy())
     return float(plan.provenance["predicted_step_time"])  # the placer's own evaluation of its plan
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.bench_agent import OUT, SUITE_CASES, _geo, held_out_cases, resolve  # noqa: E402
+from experiments.bench_agent import OUT, SUITE_CASES, _geo, held_out_cases, mcmc_from, resolve  # noqa: E402
 
 DEFAULT_EVALUATIONS = 4000  # about what `place` makes in its default 20 s on the median (b) case
 DEFAULT_SEEDS = (0, 1)
@@ -43,9 +43,6 @@ def all_cases() -> dict[str, dict]:
 def seed_row(job: tuple[dict, str, int, int]) -> dict:
     """One (case, seed): ``place`` with an evaluation budget vs MCMC with its evaluations."""
     from agent.infer import Candidate, cached_policy, place, run_baselines
-    from agent.placers import Budget, run_placer
-    from envs.evaluator import CachedSimulation
-
     case, policy, seed, evaluations = job
     g, topo, _ = resolve(case)
     t = time.perf_counter()
@@ -53,9 +50,7 @@ def seed_row(job: tuple[dict, str, int, int]) -> dict:
     seconds = time.perf_counter() - t
     used = res.evaluations["policy"] + res.evaluations["guided_search"]
     base = min(run_baselines(g, topo, "step_time", seed=0), key=Candidate.key)
-    mcmc = run_placer("mcmc", g, topo, seed=seed, objective="step_time", budget=Budget(evaluations=max(used, 1)),
-                      start=base.plan.copy())
-    mcmc_value = float(CachedSimulation().evaluate(g, topo, mcmc).value)
+    mcmc_value = mcmc_from(g, topo, base.plan, used, seed)
     return {"case": case["name"], "seed": seed, "evaluations": used, "heuristic_ms": base.value * 1e3,
             "place_ms": res.best.value * 1e3, "mcmc_ms": mcmc_value * 1e3,
             "mcmc_over_place": mcmc_value / res.best.value, "place_winner": res.best.name,
