@@ -72,6 +72,13 @@ def held_out_cases(per_family: int) -> list[dict]:
     return [dict(c, clusters=[list(clusters.devices), list(clusters.hosts)]) for c in cases]
 
 
+def search_cases(quick: bool = False) -> list[dict]:
+    """The (b) cases: the default suite's fast cases, then the first held-out members (3 of each with
+    ``quick``)."""
+    cases = [{"name": c, "suite": c} for c in (SUITE_CASES[:3] if quick else SUITE_CASES)]
+    return cases + held_out_cases(1)[: (3 if quick else 8)]
+
+
 def resolve(case: dict):
     """(graph, topology, description) of a case."""
     from agent.distribution import ClusterRanges, draw_task
@@ -193,9 +200,7 @@ def search_case(job: tuple[dict, str, float]) -> dict:
 
 
 def target_b(policy: str, quick: bool, ex) -> dict:
-    cases = [{"name": c, "suite": c} for c in (SUITE_CASES[:3] if quick else SUITE_CASES)]
-    cases += held_out_cases(1)[: (3 if quick else 8)]
-    rows = ex.map(search_case, [(c, policy, MCMC_SECONDS) for c in cases])
+    rows = ex.map(search_case, [(c, policy, MCMC_SECONDS) for c in search_cases(quick)])
     reached = [r for r in rows if r["guided_reach_evaluations"] is not None]
     tenth = [r for r in rows if r["guided_reach_evaluations"] is not None
              and r["guided_reach_evaluations"] <= max(1, r["mcmc_15s_evaluations"]) / 10]

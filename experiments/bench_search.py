@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.bench_agent import OUT, SUITE_CASES, _geo, held_out_cases, mcmc_from, resolve  # noqa: E402
+from experiments.bench_agent import OUT, _geo, mcmc_from, resolve, search_cases  # noqa: E402
 
 DEFAULT_EVALUATIONS = 4000  # about what `place` makes in its default 20 s on the median (b) case
 DEFAULT_SEEDS = (0, 1)
@@ -35,9 +35,7 @@ DEFAULT_SEEDS = (0, 1)
 
 def all_cases() -> dict[str, dict]:
     """Target (b)'s cases by name: the default suite's fast cases, then the first held-out members."""
-    cases = {c: {"name": c, "suite": c} for c in SUITE_CASES}
-    cases.update({c["name"]: c for c in held_out_cases(1)[:8]})
-    return cases
+    return {c["name"]: c for c in search_cases()}
 
 
 def seed_row(job: tuple[dict, str, int, int]) -> dict:
