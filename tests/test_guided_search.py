@@ -127,6 +127,26 @@ def test_place_runs_the_guided_search_within_its_budgets(task):
         place(g, topo, model=model, samples=0, max_evaluations=-1)
 
 
+def test_place_searches_on_the_policys_training_groups_unless_told(task, monkeypatch):
+    """The rollouts place the graph on DEFAULT_POLICY_GROUPS groups; the guided search's moves act on the
+    groups the policy was trained at (its padding), or on ``max_groups`` when the caller gives it."""
+    import agent.guided_search as gs
+    from agent.infer import model_shape, place
+
+    seen: list = []
+    real = gs.guided_search
+
+    def spy(*a, **kw):
+        seen.append(kw["max_groups"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gs, "guided_search", spy)
+    g, topo, model = task["graph"], task["topology"], task["model"]
+    place(g, topo, model=model, samples=0, max_evaluations=5, seed=0)
+    place(g, topo, model=model, samples=0, max_evaluations=5, seed=0, max_groups=12)
+    assert seen == [model_shape(model)["max_nodes"], 12]
+
+
 def test_place_cli_budgets(cli, tmp_path):
     out = tmp_path / "plan.json"
     code, stdout, _ = cli("place", "-m", "gpt-tiny", "-t", "pcie-4gpu", "--samples", "0", "--budget-seconds", "5",

@@ -27,7 +27,7 @@ def place_cmd(
                                               "goes to the policy-guided search (0: no guided search)"),
     max_evaluations: int = typer.Option(None, "--max-evaluations",
                                         help="simulator evaluations the guided search may use (0: no guided search)"),
-    max_groups: int = typer.Option(None, "--max-groups", min=1, help="coarsen to at most this many groups (default: 128, or the policy's padding with --finetune-steps)"),
+    max_groups: int = typer.Option(None, "--max-groups", min=1, help="coarsen to at most this many groups (default: 128 for the rollouts, or the policy's padding with --finetune-steps; the guided search: the policy's padding)"),
     seed: int = typer.Option(0, "--seed"),
     output: str = typer.Option("plan.json", "--output", "-o", help="plan JSON to write (and a .png Gantt chart)"),
     gantt: str = typer.Option(None, "--gantt", help="Gantt PNG path (default: next to the plan)"),
