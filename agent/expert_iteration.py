@@ -328,15 +328,19 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     state = IterationState.load(run) if resume else IterationState(run / "expert_iteration.json")
     objective = cfg.env.get("objective", "step_time")
 
-    # the tasks and round 0's targets (drawn and searched once: a resumed run reads them back)
+    # the tasks and round 0's targets (drawn and searched once: a resumed run reads them back); a new run
+    # draws (traces) every member before anything is written, so a family whose knobs build no model
+    # leaves no run directory behind
     ds_path = Path(ei.dataset) if ei.dataset else run / "dataset"
     params = {"seed": dist.seed, "evaluations": ei.search_evaluations, "objective": objective,
               "distribution": dist.model_dump(mode="json")}
-    dataset = Dataset.open(ds_path, create=True, params=params, description=f"expert iteration of {cfg.name}")
     tasks_file = run / "tasks.json"
     ids = json.loads(tasks_file.read_text()) if tasks_file.exists() else None
+    draws = (draw_distribution(dist), draw_validation(dist, ei.validation_tasks)) if ids is None else None
+    run.mkdir(parents=True, exist_ok=True)
+    dataset = Dataset.open(ds_path, create=True, params=params, description=f"expert iteration of {cfg.name}")
     if ids is None or not set(ids["train"] + ids["holdout"]) <= dataset.done():
-        train_draws, holdout_draws = draw_distribution(dist)
+        train_draws, holdout_draws = draws[0] if draws is not None else draw_distribution(dist)
         jobs = (jobs_from_draws(train_draws, evaluations=ei.search_evaluations, objective=objective)
                 + jobs_from_draws(holdout_draws, evaluations=0, objective=objective))
         build(dataset, jobs, executor=executor, log=log, progress=progress)
@@ -344,8 +348,9 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                "holdout": [j.task_id for j in jobs if j.split == "holdout"]}
         atomic_write_json(tasks_file, ids, indent=1)
     if "validation" not in ids or not set(ids["validation"]) <= dataset.done():
-        jobs = [j for j in jobs_from_draws(draw_validation(dist, ei.validation_tasks), evaluations=0,
-                                           objective=objective) if j.task_id not in set(ids["train"])]
+        valid_draws = draws[1] if draws is not None else draw_validation(dist, ei.validation_tasks)
+        jobs = [j for j in jobs_from_draws(valid_draws, evaluations=0, objective=objective)
+                if j.task_id not in set(ids["train"])]
         build(dataset, jobs, executor=executor, log=log, progress=progress)
         ids["validation"] = [j.task_id for j in jobs]
         atomic_write_json(tasks_file, ids, indent=1)

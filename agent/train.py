@@ -498,6 +498,8 @@ def _train_by_expert_iteration(cfg: TrainConfig, given: TrainConfig, run: Path, 
 
     kw = env_kwargs(cfg)
     weights = _policy_weights(init_weights) if init_weights is not None else None
+    if weights is not None:
+        check_init_weights(cfg, kw, weights)  # before the dataset's searches, not after them
     venvs: list = []
 
     def model_factory(tasks: Sequence):
@@ -515,7 +517,6 @@ def _train_by_expert_iteration(cfg: TrainConfig, given: TrainConfig, run: Path, 
             say(f"initial weights from {init_weights}")
         return model, venv
 
-    run.mkdir(parents=True, exist_ok=True)
     try:
         res = expert_iteration(cfg, run, model_factory=model_factory, resume=resume, progress=progress, log=say,
                                executor=executor, deadline=deadline, initial_given=weights is not None)
@@ -560,11 +561,7 @@ def _new_model(cfg: TrainConfig, venv, run: Path, verbose: int, weights: dict | 
     model = MaskablePPO(GraphPlacementPolicy, venv, seed=cfg.seed, device="cpu", verbose=verbose,
                         tensorboard_log=str(run / "tb"), policy_kwargs=cfg.policy, **cfg.ppo)
     if weights is not None:
-        differences = weight_differences(model.policy.state_dict(), weights)
-        if differences:
-            more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
-            raise InitWeightsMismatch("initial weights do not fit the config's policy: "
-                                      + "; ".join(differences[:3]) + more)
+        refuse_unfit_weights(model.policy.state_dict(), weights)
         model.policy.load_state_dict(weights)
     model.episode_kwargs = episode_settings(cfg)
     run.mkdir(parents=True, exist_ok=True)
@@ -578,6 +575,36 @@ def episode_settings(cfg: TrainConfig) -> dict:
 
     env = {**cfg.spec.env.model_dump(), **cfg.env}
     return {k: (list(env[k]) if isinstance(env[k], (list, tuple)) else env[k]) for k in EPISODE_KEYS if k in env}
+
+
+def check_init_weights(cfg: TrainConfig, kw: dict, weights: dict) -> None:
+    """Raise :class:`InitWeightsMismatch` when ``weights`` do not load into the network ``cfg`` builds for
+    its environment settings ``kw`` (the network's shapes depend on the padding alone; a probe environment
+    on a built-in graph on two devices gives the spaces). Nothing is written."""
+    from agent.policy import GraphPlacementPolicy
+    from envs.placement.env import PlacementEnv
+    from envs.presets import cpu_local
+    from envs.tasks import Task, load_builtin_graph
+
+    try:
+        env = PlacementEnv([Task(load_builtin_graph("gpt-tiny"), cpu_local(2))], **kw)
+    except RlplaceError:  # settings no probe fits (e.g. one device): the model's own check comes later
+        return
+    try:
+        policy = GraphPlacementPolicy(env.observation_space, env.action_space, lambda _: 0.0, **cfg.policy)
+    finally:
+        env.close()
+    refuse_unfit_weights(policy.state_dict(), weights)
+
+
+def refuse_unfit_weights(wanted: dict, given: dict) -> None:
+    """One-line :class:`InitWeightsMismatch` naming the first :func:`weight_differences`, if any."""
+    differences = weight_differences(wanted, given)
+    if differences:
+        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+        raise InitWeightsMismatch("initial weights do not fit the config's policy: " + "; ".join(differences[:3])
+                                  + more + " — give the config the env padding and policy section the weights were "
+                                  "trained with (the shipped policy's: experiments/configs/pretrained.yaml)")
 
 
 def weight_differences(wanted: dict, given: dict) -> list[str]:

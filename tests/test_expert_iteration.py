@@ -195,3 +195,37 @@ def test_the_pretrained_report_names_the_shipped_round_and_its_validation(run):
     assert "validation geo-mean" in md and "(round 1, shipped)" in md
     assert "initial policy: 0.936 (a fresh network: the reference line, never shipped)" in md
     assert f"{rounds[-1]['validation_geomean']:.3f} |" in md
+
+
+def test_a_family_whose_members_do_not_build_writes_nothing(cli, tmp_path):
+    """A user family whose knob range passes the spec's checks but builds no model (here a negative width)
+    is one line, exit 2, before any run directory or dataset is written."""
+    import yaml
+
+    (tmp_path / "bad_model.py").write_text(
+        "import torch\n"
+        "def build(width=64, batch=8):\n"
+        "    return torch.nn.Linear(width, width), (torch.randn(batch, width),)\n")
+    fam = {"model": f"{tmp_path / 'bad_model.py'}:build", "knobs": {"width": [-64, -8]}, "name": "bad"}
+    cfg = {**CONFIG, "tasks": {"distribution": {**CONFIG["tasks"]["distribution"], "families": [fam]}}}
+    path = tmp_path / "ei.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code, _out, err = cli("train", "--config", str(path), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert code == 2 and "'bad'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_weights_that_do_not_fit_are_refused_before_the_dataset_is_searched(tmp_path, monkeypatch):
+    """Expert iteration checks ``--init`` against the config's network before building its dataset."""
+    import agent.dataset
+    from agent.infer import PRETRAINED
+    from agent.train import InitWeightsMismatch
+
+    def no_build(*_a, **_k):
+        raise AssertionError("the dataset was built before the weights were checked")
+
+    monkeypatch.setattr(agent.dataset, "build", no_build)
+    with pytest.raises(InitWeightsMismatch, match="do not fit"):
+        train(load_config(dict(CONFIG)), run_dir=tmp_path / "run", init_weights=PRETRAINED, progress=False,
+              log=None)
+    assert not (tmp_path / "run").exists()
