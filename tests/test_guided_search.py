@@ -223,3 +223,23 @@ def test_an_accepted_policy_move_keeps_the_rounds_other_distributions(task):
         p[:] = 0.0  # trying them at the new plan leaves the old plan's memory as it was
     assert all(left[u][1].sum() > 0 for u in before if u not in moved and before[u].sum() > 0)
     assert prop.untried is not left and not prop.untried  # the new plan's own memory starts empty
+
+
+def test_rollouts_before_a_guided_search_simulate_their_final_plans_only(task):
+    """With a guided search to follow, a refine episode simulates its final plan alone, not every step; the
+    bench's ``policy`` column stays the zero-shot one (every step simulated)."""
+    from agent.benchmark.runner import agent_rows
+    from agent.benchmark.suite import AgentSettings
+    from agent.infer import place
+
+    g, topo, model = task["graph"], task["topology"], task["model"]
+    zero = place(g, topo, model=model, samples=2, seed=0, baselines=False)
+    searched = place(g, topo, model=model, samples=2, seed=0, max_evaluations=5)
+
+    # the search's place also ran the refinement episodes from the best plan, and still simulated less
+    assert 0 < searched.evaluations["policy"] < zero.evaluations["policy"] / 2
+    rows = dict((label, plan) for label, plan, _ in agent_rows(AgentSettings(samples=2, evaluations=5), g, topo,
+                                                                "step_time", 0))
+    best_zero = min((c for c in zero.candidates if c.kind == "policy"), key=lambda c: c.key())
+    assert rows["policy"].provenance["predicted_step_time"] == best_zero.value
+    assert rows["policy+search"].provenance["predicted_step_time"] <= searched.best.value * (1 + 1e-12)

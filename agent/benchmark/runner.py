@@ -9,14 +9,15 @@ suite's budget for the search placers, then the agent columns, then the human-ex
 ranks every result against the best placer that fits memory and against the lower bound.
 
 The agent columns (when the suite has an ``agent`` section or the caller gives :class:`AgentSettings`)
-come from one :func:`agent.infer.place` call per case:
+come from :func:`agent.infer.place`, per case:
 
 * ``policy``: the trained policy zero-shot, the best of its greedy rollout and ``samples`` sampled ones
-  (the ``place`` candidates of kind ``"policy"``; their planning time is ``place``'s env and policy
-  stages);
-* ``policy+search``: what ``place`` returns with ``max_evaluations=evaluations``: the policy-guided
-  search (:mod:`agent.guided_search`) from the best of the policy's rollouts and ``place``'s fast
-  baselines. An evaluation budget, not seconds, so the column is the same on any machine.
+  (``place`` without baselines or budget: the candidates of kind ``"policy"``, each a refine episode's
+  best visited plan; their planning time is ``place``'s env and policy stages);
+* ``policy+search``: what a second ``place`` call returns with ``max_evaluations=evaluations``: the
+  policy-guided search (:mod:`agent.guided_search`) from the best of the policy's rollouts (their final
+  plans, as ``place`` runs them before a search) and ``place``'s fast baselines. An evaluation budget,
+  not seconds, so the column is the same on any machine.
 
 A Ray task resolves its case where it runs: on a multi-machine cluster every node needs the checkout,
 the suite's workload files and the policy at the same paths as the driver (a shared filesystem or
@@ -261,27 +262,29 @@ def _stamp(cand, label: str, objective: str, seed: int, evaluations: int, agent:
 
 def agent_rows(agent: AgentSettings, graph: OpGraph, topo: Topology, objective: str, seed: int
                ) -> list[tuple[str, Plan | str, float]]:
-    """The ``policy`` and (with ``agent.evaluations``) ``policy+search`` plans of one case, from one
-    :func:`agent.infer.place` call (see the module docstring), with their planning seconds.
+    """The ``policy`` and (with ``agent.evaluations``) ``policy+search`` plans of one case, from
+    :func:`agent.infer.place` calls (see the module docstring), with their planning seconds.
 
     Evaluations: the policy's candidates simulated on the operator graph; for ``policy+search`` also
     those of ``place``'s fast baselines and of the guided search."""
     from agent.infer import place
 
-    search = agent.evaluations > 0
-    t0 = time.perf_counter()
-    res = place(graph, topo, model=policy_model(agent.policy), objective=objective, samples=agent.samples,
-                seed=seed, baselines=search, max_evaluations=agent.evaluations if search else None)
-    total = time.perf_counter() - t0
-    own = [c for c in res.candidates if c.kind == "policy"]  # best first: place sorts its candidates
-    policy_s = res.seconds.get("env", 0.0) + res.seconds.get("policy", 0.0)
+    model = policy_model(agent.policy)
+    zero = place(graph, topo, model=model, objective=objective, samples=agent.samples, seed=seed, baselines=False)
+    own = [c for c in zero.candidates if c.kind == "policy"]  # best first: place sorts its candidates
+    policy_s = zero.seconds.get("env", 0.0) + zero.seconds.get("policy", 0.0)
     out: list[tuple[str, Plan | str, float]] = [
         ("policy", _stamp(own[0], "policy", objective, seed, len(own), agent) if own
          else "error: the policy produced no valid plan", policy_s)]
-    if search:
+    if agent.evaluations > 0:
+        t0 = time.perf_counter()
+        res = place(graph, topo, model=model, objective=objective, samples=agent.samples, seed=seed,
+                    max_evaluations=agent.evaluations)
+        total = time.perf_counter() - t0
+        rollouts = sum(c.kind == "policy" for c in res.candidates)
         base = sum(int(c.plan.provenance.get("evaluations", 1)) for c in res.candidates if c.kind == "baseline")
         found = int(getattr(res.search, "evaluations", 0) or 0)
-        out.append(("policy+search", _stamp(res.best, "policy+search", objective, seed, len(own) + base + found,
+        out.append(("policy+search", _stamp(res.best, "policy+search", objective, seed, rollouts + base + found,
                                             agent), total))
     return out
 
