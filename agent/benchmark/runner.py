@@ -12,8 +12,9 @@ The agent columns (when the suite has an ``agent`` section or the caller gives :
 come from :func:`agent.infer.place`, per case:
 
 * ``policy``: the trained policy zero-shot, the best of its greedy rollout and ``samples`` sampled ones
-  (``place`` without baselines or budget: the candidates of kind ``"policy"``, each a refine episode's
-  best visited plan; their planning time is ``place``'s env and policy stages);
+  (``place`` without baselines or budget: the candidates of kind ``"policy"``, each refine episode's
+  final and best visited plans, every step simulated; their planning time is ``place``'s env and policy
+  stages);
 * ``policy+search``: what a second ``place`` call returns with ``max_evaluations=evaluations``: the
   policy-guided search (:mod:`agent.guided_search`) from the best of the policy's rollouts (their final
   plans, as ``place`` runs them before a search) and ``place``'s fast baselines. An evaluation budget,
