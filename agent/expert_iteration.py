@@ -321,6 +321,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
     from agent.callbacks import atomic_save
     from agent.dataset import Dataset, build, jobs_from_draws
     from agent.distribution import draw_distribution, draw_validation
+    from agent.distribution.progress import drawing
 
     t0 = time.perf_counter()
     ei = cfg.spec.expert_iteration
@@ -336,7 +337,10 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
               "distribution": dist.model_dump(mode="json")}
     tasks_file = run / "tasks.json"
     ids = json.loads(tasks_file.read_text()) if tasks_file.exists() else None
-    draws = (draw_distribution(dist), draw_validation(dist, ei.validation_tasks)) if ids is None else None
+    draws = None
+    if ids is None:
+        with drawing(dist.tasks + dist.holdout_tasks + ei.validation_tasks, progress) as on_draw:
+            draws = (draw_distribution(dist, on_draw), draw_validation(dist, ei.validation_tasks, on_draw))
     run.mkdir(parents=True, exist_ok=True)
     dataset = Dataset.open(ds_path, create=True, params=params, description=f"expert iteration of {cfg.name}")
     if ids is None or not set(ids["train"] + ids["holdout"]) <= dataset.done():

@@ -21,9 +21,9 @@ family's realistic range; other models' keep their defaults. ``constraints`` add
 (``"heads | hidden"``: heads divides hidden; ``"topk <= experts"``; ``"2**levels | img"``).
 
 Validation happens when the spec is built, before anything is traced: an unknown knob, ``lo > hi``, a
-value outside what the family accepts (layers 0, a non-number), or a range where some draw cannot
-satisfy a rule (heads fixed to 12 while hidden may be 1000) raises one :class:`profilers.spec.SpecError`
-line naming the family and the knob.
+value outside what the family accepts (layers 0, a non-number, more than ``MAX_REPEAT`` = 2048 layers,
+blocks or tables), or a range where some draw cannot satisfy a rule (heads fixed to 12 while hidden may be
+1000) raises one :class:`profilers.spec.SpecError` line naming the family and the knob.
 
 Sampling (:meth:`FamilySpec.sample`, :func:`sample`, :func:`sample_family`, :func:`sample_family_specs`)
 draws each knob from its range (log-uniform by default, uniform choices), in the family's order, and snaps
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from profilers.spec import MAX_KNOB, SpecError, format_spec
+from profilers.spec import MAX_KNOB, SpecError, format_spec, knob_limit
 from profilers.zoo import FAMILIES
 
 ENUM_LIMIT = 4096  # a constrained knob's candidates are enumerated up to this many, else probed near the draw
@@ -525,10 +525,10 @@ def _resolve_zoo(model: str, knobs: Mapping[str, Any], constraints: Sequence[str
     if unknown:
         raise SpecError(f"{model}: unknown knob {unknown[0]!r}; knobs: {', '.join(sig)}")
     is_int = {k: not isinstance(v, float) for k, v in sig.items()}
-    limits = {k: (1.0 if is_int[k] else 1e-9, float(MAX_KNOB)) for k in sig}
+    limits = {k: (1.0 if is_int[k] else 1e-9, float(knob_limit(k))) for k in sig}
     base = dict(ranges.knobs) if ranges is not None else {}
     for k, (lo, hi) in ((ranges.limits or {}) if ranges is not None else {}).items():
-        limits[k] = (float(lo), float(hi))
+        limits[k] = (float(lo), min(float(hi), limits[k][1]))
     out: dict[str, Knob] = {}
     for name in sig:  # the builder's order, ranges first
         if name in knobs:
@@ -565,7 +565,7 @@ def _resolve_hf(model: str, knobs: Mapping[str, Any], constraints: Sequence[str]
     if unknown:
         raise SpecError(f"{model}: unknown knob {unknown[0]!r}; numeric config keys: {', '.join(sorted(cfg))}")
     is_int = {k: isinstance(v, int) for k, v in cfg.items()}
-    limits = {k: (1.0 if is_int[k] else 1e-12, float(MAX_KNOB)) for k in cfg}
+    limits = {k: (1.0 if is_int[k] else 1e-12, float(knob_limit(k))) for k in cfg}
     out = {k: _user_knob(model, k, knobs[k], None, is_int[k], limits[k]) for k in sorted(knobs)}
     defaults = {k: float(v) for k, v in cfg.items() if k not in out}
     rules = [parse_rule(r) for r, types in HF_RULES if not types or model_type in types]

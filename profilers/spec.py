@@ -74,10 +74,22 @@ def parse_spec(spec: str) -> tuple[str, dict[str, int | float | str]]:
 
 
 MAX_KNOB = 10**7  # no zoo knob (layers, widths, sequence, batch, vocabulary) is meaningful above this
+# Knobs that repeat a block of the model (the traced graph grows with them, ~5 s of tracing per 100 GPT layers):
+# at most MAX_REPEAT, above the deepest published networks (ResNet-1202, He et al. 2016; DeepNet's 1,000-layer
+# transformer, Wang et al. 2022), so a mistyped range fails here instead of tracing for hours.
+MAX_REPEAT = 2048
+REPEAT_KNOBS = frozenset({"layers", "depth", "blocks", "tables", "user_tables", "item_tables", "bottom_layers",
+                          "top_layers", "experts", "n_layer", "num_hidden_layers", "num_layers",
+                          "num_decoder_layers", "num_encoder_layers", "encoder_layers", "decoder_layers"})
+
+
+def knob_limit(key: str) -> int:
+    """The largest value a zoo or transformers-config knob takes."""
+    return MAX_REPEAT if key in REPEAT_KNOBS else MAX_KNOB
 
 
 def _knob_value(family: str, key: str, text: str, default: Any, spec: str) -> int | float:
-    """A knob's value: a number > 0, an integer where the default is one, at most ``MAX_KNOB``."""
+    """A knob's value: a number > 0, an integer where the default is one, at most :func:`knob_limit`."""
     value = _number(text)
     if isinstance(value, str) or value != value or value in (float("inf"), float("-inf")):
         raise SpecError(f"knob {key}={text!r} in {spec!r} must be a number")
@@ -86,8 +98,8 @@ def _knob_value(family: str, key: str, text: str, default: Any, spec: str) -> in
             if not value.is_integer():
                 raise SpecError(f"knob {key}={text!r} of {family} must be an integer")
             value = int(value)
-    if not 0 < value <= MAX_KNOB:
-        raise SpecError(f"knob {key}={text} of {family} must be > 0 and <= {MAX_KNOB:g}")
+    if not 0 < value <= knob_limit(key):
+        raise SpecError(f"knob {key}={text} of {family} must be > 0 and <= {knob_limit(key):g}")
     return value
 
 
@@ -295,7 +307,10 @@ def _cached_hf(spec: str, dtype: str, batch: int | None) -> OpGraph:
         key, eq, value = part.partition("=")
         if not eq:
             raise SpecError(f"bad knob {part!r} in {spec!r}: expected key=value")
-        kw[key.strip()] = _number(value.strip())
+        key, num = key.strip(), _number(value.strip())
+        if key in REPEAT_KNOBS and isinstance(num, (int, float)) and num > MAX_REPEAT:
+            raise SpecError(f"knob {key}={value.strip()} in {spec!r} must be <= {MAX_REPEAT}")
+        kw[key] = num
     seq = int(kw.pop("seq", 128))
     b = int(batch if batch is not None else kw.pop("batch", 1))
     kw.pop("batch", None)

@@ -118,6 +118,18 @@ def test_distribution_is_seeded_and_valid():
     assert "cpu" in kinds and len(kinds) >= 3
 
 
+def test_each_draw_is_reported_as_it_is_traced():
+    """``on_draw`` (the progress bar's hook) sees every member once, in order, and changes no draw."""
+    from agent.distribution.progress import drawing
+
+    seen = []
+    got = draw_tasks(3, 11, FAMS[1:], on_draw=seen.append)
+    assert [d.spec for d in seen] == [d.spec for d in got] == [d.spec for d in draw_tasks(3, 11, FAMS[1:])]
+    with drawing(3, enabled=False) as on_draw:  # the bar's callback takes a draw
+        for d in got:
+            on_draw(d)
+
+
 def test_a_dag_generator_can_be_held_out_under_another_name():
     """Training and held-out members of one random-DAG family: the held-out entry names the generator
     under its own name; the graphs are the generator's; a bad generator entry is one line."""

@@ -204,6 +204,10 @@ def test_sizes_span_small_to_large():
     ({"model": "vit", "knobs": {"patch": 14, "img": {"choices": [224, 256]}}}, r"vit: knob img: choice 256 is never"),
     ({"model": "vit", "knobs": {"patch": 14, "img": 256}}, r"vit: knob img: no value in 256 .*patch=14"),
     ({"model": "unet", "knobs": {"dims": 4}}, r"unet: knob dims=4 is out of range"),
+    # a block count far above any published network would trace for hours: refused before anything is traced
+    ({"model": "gpt", "knobs": {"layers": [1, 100000]}}, r"gpt: knob layers hi=100000 is out of range: .*\[1, 2048\]"),
+    ({"model": "resnet", "knobs": {"depth": 5000}}, r"resnet: knob depth=5000 is out of range: .*\[10, 2048\]"),
+    ({"model": "hf:llama", "knobs": {"num_hidden_layers": [2, 10**5]}}, r"hf:llama: knob num_hidden_layers hi="),
     ({"model": "gpt", "constraints": ["layers |"]}, r"gpt: bad constraint"),
     ({"model": "gpt", "constraints": ["depth | hidden"]}, r"gpt: constraint 'depth \| hidden' names unknown knob"),
     ({"model": "nope"}, r"unknown model family 'nope'; families: bert"),
@@ -215,6 +219,16 @@ def test_family_spec_errors_are_one_line(spec, match):
     with pytest.raises(SpecError, match=match) as info:
         FamilySpec.parse(spec)
     assert "\n" not in str(info.value)
+
+
+def test_block_counts_are_limited_in_spec_strings_too():
+    from profilers.spec import MAX_REPEAT, graph_from_spec
+
+    for spec in ("gpt:layers=100000", "hf:llama:num_hidden_layers=5000"):
+        with pytest.raises(SpecError, match=r"layers=\d+ .*<= 2048"):
+            graph_from_spec(spec)
+    assert FamilySpec.parse({"model": "resnet", "knobs": {"depth": [18, 1202]}})  # ResNet-1202 stays drawable
+    assert FamilySpec.parse({"model": "gpt", "knobs": {"layers": [1, MAX_REPEAT], "seq": [128, 10**6]}})
 
 
 def test_range_snaps_to_valid_values():

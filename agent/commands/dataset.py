@@ -32,6 +32,7 @@ def build_cmd(
 
     from agent.dataset import Dataset, build, jobs_from_draws
     from agent.distribution import FAMILIES, draw_tasks
+    from agent.distribution.progress import drawing
     from agent.scale import Executor
     from envs.sim import OBJECTIVES
 
@@ -48,9 +49,10 @@ def build_cmd(
     exists = (Path(directory) / "manifest.json").exists()
     if exists:  # check the version and settings before any work
         Dataset.open(directory, params=params)
-    draws = draw_tasks(tasks, seed, fams)
-    jobs = jobs_from_draws(draws, evaluations=evaluations, objective=objective)
-    with Executor(ray=ray, address=ray_address, num_cpus=num_cpus) as ex:  # Ray is reached before DIR is made
+    with Executor(ray=ray, address=ray_address, num_cpus=num_cpus) as ex:  # Ray is reached before any tracing
+        with drawing(tasks, not quiet) as on_draw:
+            draws = draw_tasks(tasks, seed, fams, on_draw=on_draw)
+        jobs = jobs_from_draws(draws, evaluations=evaluations, objective=objective)
         ds = Dataset.open(directory, create=True, params=params,
                           description=f"best-known plans: {tasks} task(s), seed {seed}, {evaluations} evaluations")
         if ds.rows:

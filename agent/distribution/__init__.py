@@ -18,7 +18,7 @@ zoo family or a DAG generator) or a :class:`profilers.families.FamilySpec` mappi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -152,12 +152,19 @@ def draw_task(i: int, seed: int, families_: Sequence[str | Mapping | Family] = F
 
 def draw_tasks(n: int, seed: int, families_: Sequence[str | Mapping | Family] = FAMILIES,
                holdout: Sequence[str] = HOLDOUT_FAMILIES, dag_ranges: DagRanges = DagRanges(),
-               cluster_ranges: ClusterRanges = ClusterRanges()) -> list[TaskDraw]:
-    """Tasks ``0 .. n-1`` of the distribution for ``seed``."""
+               cluster_ranges: ClusterRanges = ClusterRanges(),
+               on_draw: Callable[[TaskDraw], None] | None = None) -> list[TaskDraw]:
+    """Tasks ``0 .. n-1`` of the distribution for ``seed`` (``on_draw``: called with each one as it is
+    drawn, e.g. to show progress: a draw traces a model)."""
     if n < 0:
         raise DistributionError(f"the number of tasks must be >= 0, got {n}")
     fams = families(families_)
-    return [draw_task(i, seed, fams, holdout, dag_ranges, cluster_ranges) for i in range(n)]
+    out = []
+    for i in range(n):
+        out.append(draw_task(i, seed, fams, holdout, dag_ranges, cluster_ranges))
+        if on_draw is not None:
+            on_draw(out[-1])
+    return out
 
 
 def _section_streams(section) -> tuple[ClusterRanges, list[Family], list[Family]]:
@@ -173,24 +180,27 @@ def _section_streams(section) -> tuple[ClusterRanges, list[Family], list[Family]
     return clusters, train_fams, held_fams
 
 
-def draw_distribution(section) -> tuple[list[TaskDraw], list[TaskDraw]]:
+def draw_distribution(section, on_draw: Callable[[TaskDraw], None] | None = None) -> tuple[list[TaskDraw],
+                                                                                          list[TaskDraw]]:
     """(training tasks, held-out tasks) of a training config's ``tasks.distribution`` section
     (:class:`agent.config.DistributionSection`): ``tasks`` draws over the training families and
     ``holdout_tasks`` over the held-out ones, from two seeded streams."""
     clusters, train_fams, held_fams = _section_streams(section)
     held = [f.name for f in held_fams]
-    train = draw_tasks(section.tasks, section.seed, train_fams, held, cluster_ranges=clusters)
-    holdout = draw_tasks(section.holdout_tasks, section.seed + 1, held_fams, held, cluster_ranges=clusters)
+    train = draw_tasks(section.tasks, section.seed, train_fams, held, cluster_ranges=clusters, on_draw=on_draw)
+    holdout = draw_tasks(section.holdout_tasks, section.seed + 1, held_fams, held, cluster_ranges=clusters,
+                         on_draw=on_draw)
     return train, holdout
 
 
-def draw_validation(section, n: int) -> list[TaskDraw]:
+def draw_validation(section, n: int, on_draw: Callable[[TaskDraw], None] | None = None) -> list[TaskDraw]:
     """``n`` validation tasks of a ``tasks.distribution`` section: training-family draws from a third
     seeded stream (``seed + 2``; split ``validation``), members of the trained families that the
     training's own draws (stream ``seed``) almost surely are not — the caller drops any that coincide."""
     clusters, train_fams, held_fams = _section_streams(section)
     return [replace(d, split="validation") for d in draw_tasks(n, section.seed + 2, train_fams,
-                                                               [f.name for f in held_fams], cluster_ranges=clusters)]
+                                                               [f.name for f in held_fams], cluster_ranges=clusters,
+                                                               on_draw=on_draw)]
 
 
 def draw_graph(family_: str | Mapping, seed: int, dag_ranges: DagRanges = DagRanges()) -> tuple[OpGraph, str]:
