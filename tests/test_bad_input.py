@@ -272,6 +272,10 @@ def _cases(tmp_path):
         ("place gantt under a file", ["place", "--model", g_ok, "-o", out, "--gantt", t / "afile" / "x.png"], 2,
          "is a file", [out]),
         ("place output dir", ["place", "--model", g_ok, "-o", t / "adir"], 2, "directory", []),
+        # the topology name is checked before the model is traced (a build that would fail is never run)
+        ("place topology before model", ["place", "--model", f"{exits}:build", "-t", "dgx-z", "-o", out], 2,
+         "unknown topology", [out]),
+        ("simulate topology before model", sim + [f"{exits}:build", "--topology", "dgx-z"], 2, "unknown topology", []),
         ("import output under a file", ["import", nonutf, "-o", t / "afile" / "x"], 2, "is a file", []),
         ("bench out is a file", ["bench", "--suite", "smoke", "--out", t / "afile"], 2, "is a file", []),
         ("run timeout -1", ["run", out, "--model", GPT2, "--timeout", "-1"], 2, "--timeout", []),

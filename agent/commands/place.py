@@ -44,8 +44,8 @@ def place_cmd(
         raise PlaceError(f"--budget-seconds must be between 0 and {MAX_SEARCH_SECONDS:g} seconds, got {budget_seconds}")
     out = check_output_path(output, "plan")
     png = check_output_path(gantt if gantt else out.with_suffix(".png"), "Gantt chart")
+    topo = resolve_topology(topology)  # a name is checked before the model is traced (seconds to minutes)
     g = resolve_model(model)
-    topo = resolve_topology(topology)
     res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
                 search_seconds=search_seconds, seed=seed, max_groups=max_groups, budget_seconds=budget_seconds,
                 max_evaluations=max_evaluations, log=typer.echo)

@@ -57,8 +57,8 @@ def simulate_cmd(
     for path, what in ((save_plan, "plan"), (gantt, "Gantt chart")):
         if path:
             check_output_path(path, what)
+    topo = resolve_topology(topology)  # a name is checked before the model is traced
     g = resolve_graph(graph)
-    topo = resolve_topology(topology)
     if plan:
         plans = {plan: Plan.load(plan)}
     elif any(x is not None for x in (tp, pp, dp, microbatch_size)) or extras:
