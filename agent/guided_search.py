@@ -99,6 +99,7 @@ class GuidedResult:
     mcmc_proposals: int = 0
     accepted: int = 0
     note: str = ""  # why the policy was not used, when it was not
+    saturated: bool = False  # stopped early: its last proposals found no plan it had not scored (Scorer.saturated)
 
 
 # ---------------------------------------------------------------------- the policy's proposals
@@ -287,7 +288,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
     anneal = Annealing()
     tries = 0
-    while not scorer.exhausted() and tries < 50 * (budget.evaluations or 10**6):
+    while not scorer.exhausted() and not scorer.saturated() and tries < 50 * (budget.evaluations or 10**6):
         tries += 1
         guided = proposer is not None and (policy_fraction >= 1.0 or rng.random() < policy_fraction)
         cand, move = proposer.propose(cur, rng, seen) if guided else (None, None)
@@ -357,13 +358,14 @@ def _proposer(model, graph: OpGraph, topology: Topology, objective: str, max_gro
 def _result(best: Plan, best_out: Outcome, scorer: Scorer, seed: int, curve: list[tuple[int, float]],
             counts: dict[str, int], note: str, seconds: float) -> GuidedResult:
     plan = finish(best, "guided_search", seed, scorer, accepted=counts["accepted"],
-                  policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"], reheats=counts["reheats"])
+                  policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"], reheats=counts["reheats"],
+                  saturated=scorer.saturated())
     if curve[-1][0] != scorer.evaluations:
         curve.append((scorer.evaluations, best_out.value))
     return GuidedResult(plan=plan, value=best_out.value, oom=best_out.oom, evaluation=best_out.evaluation,
                         evaluations=scorer.evaluations, setup_evaluations=counts["setup"], curve=curve, seconds=seconds,
                         policy_proposals=counts["policy"], mcmc_proposals=counts["mcmc"],
-                        accepted=counts["accepted"], note=note)
+                        accepted=counts["accepted"], note=note, saturated=scorer.saturated())
 
 
 __all__ = ["guided_search", "GuidedResult", "GuidedSearchError", "PolicyProposer", "POLICY_FRACTION",

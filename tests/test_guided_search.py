@@ -243,3 +243,17 @@ def test_rollouts_before_a_guided_search_simulate_their_final_plans_only(task):
     best_zero = min((c for c in zero.candidates if c.kind == "policy"), key=lambda c: c.key())
     assert rows["policy"].provenance["predicted_step_time"] == best_zero.value
     assert rows["policy+search"].provenance["predicted_step_time"] <= searched.best.value * (1 + 1e-12)
+
+
+def test_a_search_that_finds_nothing_new_stops_early(task):
+    """A 2-operator chain: the guided search given a minute stops once its proposals find no plan it has
+    not scored, keeps the best, and says so (``place`` prints it)."""
+    from agent.infer import Candidate, run_baselines
+    from envs.graph import chain_graph
+
+    g = chain_graph(2, flops=1e10, param_bytes=1e6, act_bytes=1e5)
+    start = min(run_baselines(g, task["topology"], "step_time", seed=0), key=Candidate.key)
+    res = guided_search(task["model"], g, task["topology"], "step_time", start.plan, seed=0, seconds=60.0,
+                        evaluations=10**6)
+    assert res.saturated and res.plan.provenance["saturated"] is True
+    assert res.evaluations < 10**4 and res.value <= start.value

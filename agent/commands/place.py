@@ -59,7 +59,8 @@ def place_cmd(
         s = res.search
         typer.echo(f"guided search: {s.evaluations} simulator evaluations in {s.seconds:.1f} s "
                    f"({s.policy_proposals} policy / {s.mcmc_proposals} MCMC proposals), best "
-                   f"{format_time(s.value)}{'; ' + s.note if s.note else ''}")
+                   f"{format_time(s.value)}{'; ' + s.note if s.note else ''}"
+                   + ("; stopped early: its last proposals found no plan it had not scored" if s.saturated else ""))
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
 
 

@@ -189,7 +189,8 @@ def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=N
     rng = np.random.default_rng(seed)
     best: tuple[Outcome, Plan] | None = None
     tries = 0
-    while not scorer.exhausted() and tries < 50 * (scorer.budget.evaluations or 10**6):
+    while (not scorer.exhausted() and not scorer.saturated()
+           and tries < 50 * (scorer.budget.evaluations or 10**6)):
         tries += 1
         plan = random_plan(space, rng)
         out = scorer(plan)
@@ -377,7 +378,8 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     best, best_out = cur, cur_out
     accepted = proposals = 0
     anneal = Annealing()
-    while not scorer.exhausted() and proposals < 50 * (scorer.budget.evaluations or 10**6):
+    while (not scorer.exhausted() and not scorer.saturated()
+           and proposals < 50 * (scorer.budget.evaluations or 10**6)):
         proposals += 1
         cand = _propose(space, cur, rng)
         if cand is None:
@@ -394,4 +396,4 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
             anneal.new_best(scorer.evaluations)
     return finish(best, "mcmc", seed, scorer, start=init.provenance.get("placer", "given"),
                   start_step_time=init.provenance.get("predicted_step_time"), accepted=accepted,
-                  reheats=anneal.reheats)
+                  reheats=anneal.reheats, saturated=scorer.saturated())
