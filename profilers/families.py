@@ -596,7 +596,7 @@ def _resolve_file(model: str, knobs: Mapping[str, Any], constraints: Sequence[st
         else:
             vals = _numbers_in(knobs[k])
             is_int[k] = bool(vals) and all(isinstance(v, int) for v in vals)
-    limits = {k: (-float(MAX_KNOB), float(MAX_KNOB)) for k in knobs}
+    limits = {k: (-float(MAX_KNOB), float(knob_limit(k))) for k in knobs}  # a `layers` keyword is a block count too
     out = {k: _user_knob(model, k, knobs[k], None, is_int[k], limits[k]) for k in knobs}
     defaults = {k: float(v) for k, v in params.items() if k not in out and _is_number(v)}
     rules = tuple(parse_rule(r, f"{model}: ") for r in constraints)

@@ -173,6 +173,8 @@ def _file_knobs(spec: str, path: str, fn: str, args: str, builder: Any) -> dict[
             if not value.is_integer():
                 raise SpecError(f"knob {key}={text} of {path}:{fn} must be an integer")
             value = int(value)
+        if value > knob_limit(key):
+            raise SpecError(f"knob {key}={text} of {path}:{fn} must be <= {knob_limit(key):g}")
         out[key] = value
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import textwrap
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,9 +225,12 @@ def test_family_spec_errors_are_one_line(spec, match):
 def test_block_counts_are_limited_in_spec_strings_too():
     from profilers.spec import MAX_REPEAT, graph_from_spec
 
-    for spec in ("gpt:layers=100000", "hf:llama:num_hidden_layers=5000"):
+    model = Path(__file__).resolve().parents[1] / "experiments" / "models" / "mixer.py"
+    for spec in ("gpt:layers=100000", "hf:llama:num_hidden_layers=5000", f"{model}:build:layers=100000"):
         with pytest.raises(SpecError, match=r"layers=\d+ .*<= 2048"):
             graph_from_spec(spec)
+    with pytest.raises(SpecError, match=r"knob layers hi=100000 is out of range"):  # a builder's `layers` too
+        FamilySpec.parse({"model": f"{model}:build", "knobs": {"layers": [1, 100000]}})
     assert FamilySpec.parse({"model": "resnet", "knobs": {"depth": [18, 1202]}})  # ResNet-1202 stays drawable
     assert FamilySpec.parse({"model": "gpt", "knobs": {"layers": [1, MAX_REPEAT], "seq": [128, 10**6]}})
 
