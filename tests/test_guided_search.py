@@ -159,6 +159,32 @@ def test_place_cli_budgets(cli, tmp_path):
         assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: --")
 
 
+def test_an_evaluation_budget_alone_gives_the_same_plan_whatever_the_clock(cli, tmp_path, monkeypatch):
+    """`--max-evaluations` without `--budget-seconds` puts no wall clock on the search (the default 20 s
+    would end it wherever the machine's speed does): the same seed, the same plan, however slow the run."""
+    import json
+
+    import agent.infer
+
+    seen, real = [], agent.infer.place
+
+    def spy(*args, **kw):
+        seen.append(kw["budget_seconds"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(agent.infer, "place", spy)
+    plans = []
+    for i in range(2):
+        out = tmp_path / f"plan{i}.json"
+        code, stdout, _ = cli("place", "-m", "gpt-tiny", "-t", "pcie-4gpu", "--samples", "2", "--max-evaluations",
+                              "120", "-o", out)
+        assert code == 0 and "guided search: 120 simulator evaluations" in stdout
+        plans.append({k: v for k, v in json.loads(out.read_text()).items() if k != "provenance"})
+    assert seen == [None, None] and plans[0] == plans[1]
+    code, _, _ = cli("place", "-m", "gpt-tiny", "-t", "pcie-4gpu", "--samples", "0", "-o", tmp_path / "p.json")
+    assert code == 0 and seen[-1] == agent.infer.DEFAULT_BUDGET_SECONDS  # no evaluation budget: the default clock
+
+
 def test_train_init_with_a_mismatched_policy_is_a_named_error(cli, tmp_path):
     from agent.infer import PRETRAINED
     from agent.train import InitWeightsMismatch, train

@@ -22,11 +22,13 @@ def place_cmd(
     finetune_steps: int = typer.Option(0, "--finetune-steps", min=0, help="PPO steps on this task before the rollouts"),
     search_seconds: float = typer.Option(0.0, "--search-seconds", min=0.0, max=MAX_SEARCH_SECONDS,
                                          help="local search (MCMC) from the best plan, seconds"),
-    budget_seconds: float = typer.Option(DEFAULT_BUDGET_SECONDS, "--budget-seconds",
+    budget_seconds: float = typer.Option(None, "--budget-seconds",
                                          help="wall clock for the whole call; what rollouts and baselines leave "
-                                              "goes to the policy-guided search (0: no guided search)"),
+                                              f"goes to the policy-guided search (default {DEFAULT_BUDGET_SECONDS:g} "
+                                              "s, none with --max-evaluations; 0: no guided search)"),
     max_evaluations: int = typer.Option(None, "--max-evaluations",
-                                        help="simulator evaluations the guided search may use (0: no guided search)"),
+                                        help="simulator evaluations the guided search uses: the same seed gives "
+                                             "the same plan on any machine (0: no guided search)"),
     max_groups: int = typer.Option(None, "--max-groups", min=1, help="coarsen to at most this many groups (default: 128 for the rollouts, or the policy's padding with --finetune-steps; the guided search: the policy's padding)"),
     seed: int = typer.Option(0, "--seed"),
     output: str = typer.Option("plan.json", "--output", "-o", help="plan JSON to write (and a .png Gantt chart)"),
@@ -40,7 +42,9 @@ def place_cmd(
 
     if not math.isfinite(search_seconds):
         raise PlaceError(f"--search-seconds must be a finite number of seconds, got {search_seconds}")
-    if not (math.isfinite(budget_seconds) and 0 <= budget_seconds <= MAX_SEARCH_SECONDS):
+    if budget_seconds is None:  # an evaluation budget alone ends the search where the same seed always does
+        budget_seconds = DEFAULT_BUDGET_SECONDS if max_evaluations is None else None
+    elif not (math.isfinite(budget_seconds) and 0 <= budget_seconds <= MAX_SEARCH_SECONDS):
         raise PlaceError(f"--budget-seconds must be between 0 and {MAX_SEARCH_SECONDS:g} seconds, got {budget_seconds}")
     out = check_output_path(output, "plan")
     png = check_output_path(gantt if gantt else out.with_suffix(".png"), "Gantt chart")
