@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import typer
@@ -49,10 +50,15 @@ def place_cmd(
     out = check_output_path(output, "plan")
     png = check_output_path(gantt if gantt else out.with_suffix(".png"), "Gantt chart")
     topo = resolve_topology(topology)  # a name is checked before the model is traced (seconds to minutes)
-    g = resolve_model(model)
-    res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
-                search_seconds=search_seconds, seed=seed, max_groups=max_groups, budget_seconds=budget_seconds,
-                max_evaluations=max_evaluations, log=typer.echo)
+    with _working() as stage:  # a spinner with the elapsed time on a terminal, nothing left behind
+        stage(f"tracing {model}")
+        g = resolve_model(model)
+        budget = (f"{budget_seconds:g} s" if budget_seconds else "no search") if max_evaluations is None else \
+            f"{max_evaluations} evaluations"
+        stage(f"placing {g.name} on {topo.name}: policy, baselines, guided search ({budget})")
+        res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
+                    search_seconds=search_seconds, seed=seed, max_groups=max_groups, budget_seconds=budget_seconds,
+                    max_evaluations=max_evaluations, log=typer.echo)
     con = Console(width=140)
     con.print(f"[bold]{g.summary()}[/bold]\n{topo.describe()}")
     print_comparison(res, objective, console=con)
@@ -66,6 +72,18 @@ def place_cmd(
                    f"{format_time(s.value)}{'; ' + s.note if s.note else ''}"
                    + ("; stopped early: its last proposals found no plan it had not scored" if s.saturated else ""))
     typer.echo(f"winner: {res.best.name}; plan written to {out}, Gantt chart to {png}")
+
+
+@contextlib.contextmanager
+def _working():
+    """A transient spinner on stderr (shown on a terminal only) whose text names the current stage."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True, disable=not err.is_terminal) as bar:
+        t = bar.add_task("", total=None)
+        yield lambda text: bar.update(t, description=text[:60])
 
 
 def register(app: typer.Typer) -> None:
