@@ -55,7 +55,7 @@ def place_cmd(
         g = resolve_model(model)
         budget = (f"{budget_seconds:g} s" if budget_seconds else "no search") if max_evaluations is None else \
             f"{max_evaluations} evaluations"
-        stage(f"placing {g.name} on {topo.name}: policy, baselines, guided search ({budget})")
+        stage(f"placing ({budget}) on {topo.name}: {g.name}")
         res = place(g, topo, policy=policy, objective=objective, samples=samples, finetune_steps=finetune_steps,
                     search_seconds=search_seconds, seed=seed, max_groups=max_groups, budget_seconds=budget_seconds,
                     max_evaluations=max_evaluations, log=typer.echo)
