@@ -288,7 +288,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
     anneal = Annealing()
     tries = 0
-    while not scorer.exhausted() and not scorer.saturated() and tries < 50 * (budget.evaluations or 10**6):
+    while scorer.searching(tries):
         tries += 1
         guided = proposer is not None and (policy_fraction >= 1.0 or rng.random() < policy_fraction)
         cand, move = proposer.propose(cur, rng, seen) if guided else (None, None)

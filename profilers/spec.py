@@ -84,7 +84,7 @@ REPEAT_KNOBS = frozenset({"layers", "depth", "blocks", "tables", "user_tables", 
 
 
 def knob_limit(key: str) -> int:
-    """The largest value a zoo or transformers-config knob takes."""
+    """The largest value a knob named ``key`` takes (zoo, transformers-config and model-file knobs)."""
     return MAX_REPEAT if key in REPEAT_KNOBS else MAX_KNOB
 
 

@@ -115,6 +115,12 @@ class Scorer:
             return True
         return b.seconds is not None and self.elapsed() >= b.seconds
 
+    def searching(self, proposals: int) -> bool:
+        """A search loop goes on after ``proposals`` proposals: budget left, new plans still being found, and
+        at most 50 proposals per evaluation of an evaluation budget (a space of invalid plans ends too)."""
+        return (not self.exhausted() and not self.saturated()
+                and proposals < 50 * (self.budget.evaluations or 10**6))
+
     def saturated(self) -> bool:
         """:data:`REPEATS_TO_STOP` calls in a row scored no new plan: a search has seen every plan its moves
         reach (a model of a few operators), and would spend the rest of a time budget on cache hits (the

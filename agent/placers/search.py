@@ -189,8 +189,7 @@ def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=N
     rng = np.random.default_rng(seed)
     best: tuple[Outcome, Plan] | None = None
     tries = 0
-    while (not scorer.exhausted() and not scorer.saturated()
-           and tries < 50 * (scorer.budget.evaluations or 10**6)):
+    while scorer.searching(tries):
         tries += 1
         plan = random_plan(space, rng)
         out = scorer(plan)
@@ -378,8 +377,7 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     best, best_out = cur, cur_out
     accepted = proposals = 0
     anneal = Annealing()
-    while (not scorer.exhausted() and not scorer.saturated()
-           and proposals < 50 * (scorer.budget.evaluations or 10**6)):
+    while scorer.searching(proposals):
         proposals += 1
         cand = _propose(space, cur, rng)
         if cand is None:
