@@ -61,6 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from envs.errors import RlplaceError
 from envs.graph import CAN_BATCH, CAN_REPLICATE, GEMM_DENSE, GEMM_PER_HEAD, OpGraph, default_layout_caps
+from profilers.mixed_precision import MixedPrecisionCasts
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                                   "tf32": torch.float32}
@@ -297,7 +298,8 @@ def export_meta(model: nn.Module, example_inputs: Any, *, dtype: str = "bf16",
     with warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
         try:
-            return torch.export.export(m, args, kwargs=kwargs, strict=False)
+            with MixedPrecisionCasts(tdt):  # a layer fed a mix of dtypes runs at ``dtype``, as under AMP
+                return torch.export.export(m, args, kwargs=kwargs, strict=False)
         except Exception as exc:  # torch raises many types (UserError, GuardOnDataDependentSymNode, ...)
             raise _export_error(exc, name) from exc
 

@@ -177,3 +177,36 @@ def test_json_roundtrip(tmp_path):
 
     h = OpGraph.load(tmp_path / "g.json")
     assert h.names == g.names and np.allclose(h.fwd_flops, g.fwd_flops)
+
+
+def test_model_mixing_dtypes_traces_as_under_autocast():
+    """A sinusoidal timestep embedding computed in fp32 (``.float()``) feeding bf16 layers, as diffusion
+    U-Nets write it: the pure-bf16 trace fails on the first layer, the autocast rule casts its input."""
+
+    class TimestepNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.temb = nn.Linear(16, 8)
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.out = nn.Conv2d(8, 3, 3, padding=1)
+
+        def forward(self, x, t):
+            freqs = torch.exp(-torch.arange(8, device=x.device) / 8.0)
+            e = t[:, None].float() * freqs[None]
+            h = self.conv(x) + self.temb(torch.cat([e.sin(), e.cos()], 1))[:, :, None, None]  # fp32
+            return self.out(h)
+
+    g = trace(TimestepNet(), (torch.randn(4, 3, 8, 8), torch.randint(0, 1000, (4,))), batch_size=4)
+    assert "cast" in g.kinds and "conv" in " ".join(g.kinds)
+
+
+def test_mixed_precision_casts_only_mixed_calls():
+    from profilers.mixed_precision import MixedPrecisionCasts
+
+    a32, b32 = torch.randn(2, 3), torch.randn(3, 4)
+    with MixedPrecisionCasts(torch.bfloat16) as mode:
+        same = torch.matmul(a32, b32)  # written in fp32 on purpose: left as it is
+        mixed = torch.matmul(a32, b32.bfloat16())
+        lin = F.linear(a32, torch.randn(5, 3, dtype=torch.bfloat16))
+    assert same.dtype == torch.float32 and mixed.dtype == torch.bfloat16 and lin.dtype == torch.bfloat16
+    assert mode.casts == 2
