@@ -249,6 +249,9 @@ _HINTS = (
     (("meta tensor", "on meta", "Cannot copy out of meta tensor", "meta device"),
      "the model reads tensor data while tracing (e.g. .item(), .tolist(), numpy()); trace works on the "
      "meta device, so compute such values from shapes or pass them as Python numbers"),
+    (("Unsupported dtype", "not implemented for 'BFloat16'", "not implemented for 'Half'"),
+     "an operation does not support the traced dtype (e.g. FFTs in bf16); cast its input with .float() in "
+     "the model, as mixed-precision training needs anyway, or trace with --dtype fp32"),
     (("Unsupported", "unsupported"),
      "an operation torch.export does not support; see https://pytorch.org/docs/stable/export.html"),
 )
@@ -265,7 +268,8 @@ def _export_error(exc: BaseException, name: str) -> TraceError:
         import traceback
 
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename
-                  and "/torch/" not in f.filename and not f.filename.endswith("profilers/trace.py")]
+                  and "/torch/" not in f.filename
+                  and not f.filename.endswith(("profilers/trace.py", "profilers/mixed_precision.py"))]
         if frames:
             f = frames[-1]
             where = f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}(): {f.line}"

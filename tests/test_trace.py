@@ -210,3 +210,20 @@ def test_mixed_precision_casts_only_mixed_calls():
         lin = F.linear(a32, torch.randn(5, 3, dtype=torch.bfloat16))
     assert same.dtype == torch.float32 and mixed.dtype == torch.bfloat16 and lin.dtype == torch.bfloat16
     assert mode.casts == 2
+
+
+def test_op_without_the_traced_dtype_names_the_line_and_the_fix():
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lift = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.rfft(self.lift(x), dim=-1).abs()
+
+    with pytest.raises(TraceError) as exc:
+        trace(Spectral(), (torch.randn(2, 8),), batch_size=2)
+    msg = str(exc.value)
+    assert "torch.fft.rfft" in msg and "--dtype fp32" in msg and "mixed_precision" not in msg
+    g = trace(Spectral(), (torch.randn(2, 8),), batch_size=2, dtype="fp32")
+    assert g.num_nodes >= 3
