@@ -137,6 +137,38 @@ def test_megatron_beats_single_device_on_a_big_transformer():
     assert set(mega.provenance["config"]) >= {"tp", "pp", "dp", "microbatch_size", "schedule", "recompute"}
 
 
+def test_megatron_configs_go_coarse_to_fine():
+    """Every parallel shape (tp, pp, dp) is tried once, all devices first, before any shape's second
+    microbatch size; a pipeline's first configuration fills it with >= 4 microbatches per stage."""
+    from agent.placers.templates import PIPELINE_FILL, megatron_configs
+
+    g = transformer_graph(layers=8, hidden=512, seq=128, batch=64)
+    cfgs = megatron_configs(g, preset("dgx-a100-80g"))
+    shape = [(c["tp"], c["pp"], c["dp"]) for c in cfgs]
+    n_shapes = len(set(shape))
+    assert len(set(shape[:n_shapes])) == n_shapes  # one of each shape first
+    totals = [c["total"] for c in cfgs[:n_shapes]]
+    assert totals == sorted(totals, reverse=True) and totals[0] == 8
+    for c in cfgs[:n_shapes]:
+        m = 64 // c["dp"] // c["microbatch_size"]
+        if c["pp"] == 1:
+            assert m == 1
+        else:
+            assert c["schedule"] == "1f1b" and (m >= PIPELINE_FILL * c["pp"] or c["microbatch_size"] == 1)
+    assert len(cfgs) == len({tuple(sorted(c.items())) for c in cfgs})  # nothing twice
+
+
+def test_megatron_short_budget_reaches_a_pipeline():
+    """32 evaluations (the fast baseline's) reach the pipeline a 4-GPU PCIe box wants for an MLP chain,
+    which the shapes' microbatch sizes listed first (data parallel) used to exhaust."""
+    g = chain_graph(24, flops=4e12, param_bytes=2e8, act_bytes=4e7, batch_size=64)
+    topo = preset("pcie-4gpu")
+    short = run_placer("megatron_3d", g, topo, budget=Budget(evaluations=32))
+    full = run_placer("megatron_3d", g, topo)
+    assert short.provenance["config"]["pp"] > 1
+    assert short.provenance["predicted_step_time"] <= full.provenance["predicted_step_time"] * 1.05
+
+
 def test_caps_allow_sequence_splits_only_on_token_wise_ops_of_a_tensor_parallel_group():
     from agent.placers.common import caps_allow
     from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE

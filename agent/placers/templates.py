@@ -89,17 +89,19 @@ def expert_split(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=No
 
 
 def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
-    """Valid Megatron (tp, pp, dp, microbatch size, schedule) configurations, most promising first:
-    tp within a host and a power of two, tp * pp * dp at most the device count (all devices first;
-    the template uses the first tp * pp * dp devices), microbatch size dividing batch / dp (largest
-    first)."""
+    """Valid Megatron (tp, pp, dp, microbatch size, schedule) configurations, most promising first: tp
+    within a host and a power of two, tp * pp * dp at most the device count (the template uses the first
+    tp * pp * dp devices), microbatch size dividing batch / dp. Coarse to fine, so a short budget still
+    sees every parallel shape: first one configuration per shape (tp, pp, dp), all devices first (see
+    :func:`_first_of_shape`), then the shapes' other microbatch sizes (largest first) and schedules."""
     nd = topology.num_devices
     per_host = min(len(v) for v in topology.hosts_of(range(nd)).values())
     caps = graph.layout_caps
     can_tp = bool((caps & (CAN_COL | CAN_ROW)).any())
     can_dp = bool((caps & CAN_BATCH).any())
     batch = graph.batch_size
-    out: list[dict] = []
+    first: list[dict] = []
+    rest: list[dict] = []
     for total in range(nd, 0, -1):
         for tp in [t for t in divisors(total) if t & (t - 1) == 0 and t <= per_host]:
             if tp > 1 and not can_tp:
@@ -108,11 +110,30 @@ def megatron_configs(graph: OpGraph, topology: Topology) -> list[dict]:
                 dp = total // tp // pp
                 if (dp > 1 and not can_dp) or pp > graph.num_nodes or batch % dp:
                     continue
+                shape = []
                 for mbs in sorted(divisors(batch // dp), reverse=True):
                     scheds = ("1f1b", "gpipe") if pp > 1 and batch // dp // mbs > 1 else ("1f1b",)
                     for s in scheds:
-                        out.append(dict(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, schedule=s, total=total))
-    return out
+                        shape.append(dict(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, schedule=s, total=total))
+                lead = _first_of_shape(shape, pp, batch // dp)
+                first.append(shape[lead])
+                rest += shape[:lead] + shape[lead + 1:]
+    return first + rest
+
+
+PIPELINE_FILL = 4  # microbatches per pipeline stage the first configuration of a shape aims at
+
+
+def _first_of_shape(shape: list[dict], pp: int, batch: int) -> int:
+    """Index of the configuration a shape is tried with first: without a pipeline the largest microbatch
+    size (no gradient accumulation); with one the largest 1F1B microbatch size that gives at least
+    :data:`PIPELINE_FILL` microbatches per stage (the bubble (pp - 1) / m stays small; Narayanan et al.,
+    SC'21, section 3.2), or the smallest if none does."""
+    if pp == 1:
+        return 0
+    one_f = [i for i, c in enumerate(shape) if c["schedule"] == "1f1b"]
+    filled = [i for i in one_f if batch // shape[i]["microbatch_size"] >= PIPELINE_FILL * pp]
+    return filled[0] if filled else one_f[-1]
 
 
 CHOICES = ("all", "classic")  # megatron_3d's space: today's choices, or the 2021 one (recompute none/full)
