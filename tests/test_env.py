@@ -711,10 +711,20 @@ def test_option_table_adds_the_largest_group_an_uneven_batch_splits_over():
     from envs.graph import chain_graph
     from envs.placement.task_setup import data_parallel_assignments
 
-    env = PlacementEnv([Task(chain_graph(6, batch_size=120), topo)], mode="refine", max_nodes=8, max_devices=16)
+    env = PlacementEnv([Task(chain_graph(6, batch_size=120, param_bytes=1e8), topo)], mode="refine", max_nodes=8,
+                       max_devices=16)
     env.reset(seed=0)
     starts = data_parallel_assignments(env.prepared)
     assert "data parallel a100-80g x15" in starts
+    # and with sharded optimizer states (ZeRO-1, Megatron-LM's distributed optimizer) and FSDP (ZeRO-3)
+    from envs.placement.options import MODIFIERS, N_MODIFIERS
+
+    for stage in (1, 3):
+        zero = starts[f"data parallel a100-80g x15 zero-{stage}"]
+        plain = starts["data parallel a100-80g x15"]
+        weighted = env.prepared.graph.param_bytes > 0
+        assert {MODIFIERS[m].zero for m in (zero % N_MODIFIERS)[weighted]} == {stage}
+        assert (zero // N_MODIFIERS == plain // N_MODIFIERS).all()
 
 
 def test_show_assignment_builds_the_loads_once_per_plan(small_tasks):

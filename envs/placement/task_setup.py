@@ -563,13 +563,14 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
 def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """Data parallelism (``batch_split``) over each device kind's largest group of the table that the
     batch splits evenly over, groups that cannot split by samples on its first device; and that with
-    ZeRO-3 on every weighted group."""
+    ZeRO-1 (Megatron-LM's distributed optimizer) and with ZeRO-3 (FSDP) on every weighted group: where
+    memory is tight, sharded optimizer states let larger microbatches fit."""
     opts, look = prep.options, prep.options.lookup()
     topo = prep.task.topology
     kinds: dict[str, list[int]] = {}
     for d, dev in enumerate(topo.devices):
         kinds.setdefault(dev.kind, []).append(d)
-    z3 = _MODIFIER_ID[(3, "none", False)]
+    zeros = {stage: _MODIFIER_ID[(stage, "none", False)] for stage in (1, 3)}
     out = {}
     for kind, members in kinds.items():
         groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)
@@ -583,9 +584,10 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         single = look[((g[0],), "single", 1)]
         plain = np.where(prep.allowed[:, o], o, single) * N_MODIFIERS
         out[f"data parallel {kind} x{len(g)}"] = plain
-        zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z3], z3, 0)
-        if (zero != plain).any():
-            out[f"data parallel {kind} x{len(g)} zero-3"] = zero
+        for stage, z in zeros.items():
+            zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z], z, 0)
+            if (zero != plain).any():
+                out[f"data parallel {kind} x{len(g)} zero-{stage}"] = zero
     return out
 
 
