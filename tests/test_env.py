@@ -754,3 +754,36 @@ def test_show_assignment_builds_the_loads_once_per_plan(small_tasks):
             for k in dynamic:
                 np.testing.assert_array_equal(dynamic[k], expected[k], err_msg=k)
     assert len(reloads) == len(plans)
+
+
+def test_refine_starts_include_megatron_pipelines_of_device_groups():
+    """Megatron's 3-D layout as a refine start: contiguous stages, each on one of k disjoint equal groups
+    that hold every device (here the two hosts, or four quads), tensor parallel (col/row splits) or data
+    parallel inside the stage."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import staged_megatron_assignments
+    from envs.plan import LAYOUTS
+
+    topo = preset("a100-80g-cluster:nodes=2")
+    g = transformer_graph(layers=8, hidden=512, heads=8, seq=128, vocab=1000, batch=16)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=40, max_devices=16)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = staged_megatron_assignments(prep)
+    assert {"pipeline 2 stages x megatron tp8", "pipeline 2 stages x megatron dp8",
+            "pipeline 4 stages x megatron tp4"} <= set(starts)
+    opts = prep.options
+    for name, assign in starts.items():
+        k = int(name.split()[1])
+        rows = assign // N_MODIFIERS
+        groups = [opts.groups[r] for r in rows]
+        order = prep.graph.topological_order()
+        firsts = list(dict.fromkeys(groups[v] for v in order))
+        assert len(firsts) == k and len({d for gr in firsts for d in gr}) == 16  # k groups cover every device
+        stage_of = {gr: s for s, gr in enumerate(firsts)}
+        seq = [stage_of[groups[v]] for v in order]
+        assert seq == sorted(seq)  # contiguous stages in topological order
+    tp8 = starts["pipeline 2 stages x megatron tp8"] // N_MODIFIERS
+    assert {LAYOUTS[opts.layout[r]] for r in tp8} >= {"col_split", "row_split"}
+    dp8 = starts["pipeline 2 stages x megatron dp8"] // N_MODIFIERS
+    assert {LAYOUTS[opts.layout[r]] for r in dp8} == {"batch_split"}

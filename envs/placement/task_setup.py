@@ -548,13 +548,15 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
     its CPUs) and, where some group has weights, the same with ZeRO-3; and Megatron-style tensor x data
     parallelism over all devices built in it (:func:`megatron_assignments`, one per tensor-parallel degree
-    the table offers); and the groups on single devices: list-scheduled (:func:`list_schedule_assignments`)
+    the table offers) and pipelines of such groups (:func:`staged_megatron_assignments`); and the groups
+    on single devices: list-scheduled (:func:`list_schedule_assignments`)
     and cut into balanced pipeline stages (:func:`pipeline_assignments`), the operator placements
     multi-branch graphs and pipelines want."""
     plans = reference_plans(prep.task.graph, prep.task)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
+    out.update(staged_megatron_assignments(prep))
     out.update(list_schedule_assignments(prep))
     out.update(pipeline_assignments(prep))
     return out
@@ -746,6 +748,42 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         stage = stage_of[unit]
         if not np.array_equal(stage, even):
             out[f"pipeline {k} stages min-max"] = single[devs[stage]] * N_MODIFIERS
+    return out
+
+
+def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """Megatron-LM's 3-D layout (Narayanan et al., SC'21) where the table has it: the groups'
+    topological order cut into k >= 2 contiguous stages balanced by roofline time
+    (:func:`envs.plan.contiguous_stages`), stage s on the s-th of k disjoint equal device groups of the
+    table that together hold every device (pairs, a host's halves, hosts), each stage tensor parallel over
+    its group with Megatron's layouts (tp = the group's size) or data parallel over it; a layout the table
+    does not offer or a group may not take becomes ``replicate``, then the group's first device alone."""
+    look, nd, n = prep.options.lookup(), prep.task.topology.num_devices, prep.graph.num_nodes
+    groups = list(dict.fromkeys(key[0] for key in look))
+    layouts = megatron_layouts(prep.graph)
+    out = {}
+    for size in sorted({len(g) for g in groups if 1 < len(g) < nd and nd % len(g) == 0}):
+        k = nd // size
+        cover: list[tuple[int, ...]] = []
+        used: set[int] = set()
+        for g in groups:
+            if len(g) == size and used.isdisjoint(g):
+                cover.append(g)
+                used.update(g)
+        if len(cover) != k or k > n:
+            continue
+        stage = contiguous_stages(prep.graph, k, weights=prep.time_single)
+        for dp, name in ((1, f"tp{size}"), (size, f"dp{size}")):
+            assign = np.empty(n, dtype=np.int64)
+            for v in range(n):
+                group = cover[int(stage[v])]
+                o = look.get((group, layouts[v] if dp == 1 else "batch_split", dp))
+                if o is None or not prep.allowed[v, o]:
+                    o = look.get((group, "replicate", dp))
+                    if o is None or not prep.allowed[v, o]:
+                        o = look[((group[0],), "single", 1)]
+                assign[v] = o * N_MODIFIERS
+            out[f"pipeline {k} stages x megatron {name}"] = assign
     return out
 
 
