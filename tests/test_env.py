@@ -787,3 +787,18 @@ def test_refine_starts_include_megatron_pipelines_of_device_groups():
     assert {LAYOUTS[opts.layout[r]] for r in tp8} >= {"col_split", "row_split"}
     dp8 = starts["pipeline 2 stages x megatron dp8"] // N_MODIFIERS
     assert {LAYOUTS[opts.layout[r]] for r in dp8} == {"batch_split"}
+
+
+def test_megatron_starts_on_each_device_kinds_group_of_a_heterogeneous_cluster():
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import megatron_assignments
+
+    topo = preset("hetero")  # 2 A100, 2 V100, 2 T4 and a CPU
+    g = transformer_graph(layers=2, hidden=256, heads=4, seq=64, vocab=500, batch=8)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=40, max_devices=8)
+    env.reset(seed=0)
+    starts = megatron_assignments(env.prepared)
+    a100 = starts["megatron a100-80g x2 tp2 dp1"] // N_MODIFIERS
+    groups = {env.prepared.options.groups[r] for r in a100}
+    assert groups <= {(0, 1), (0,)} and (0, 1) in groups
+    assert any(name.startswith("megatron tp7") for name in starts)  # all devices, as before

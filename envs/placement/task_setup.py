@@ -791,16 +791,24 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`) over all devices with every tensor-
     parallel degree tp >= 2 the placement table offers there (tensor parallel inside hosts, data parallel
     over the rest), a layout the table does not offer or the group may not take becoming ``replicate``;
-    when the all-device group is not in the table, on the largest one-host group holding device 0."""
+    when the all-device group is not in the table, on the largest one-host group holding device 0. On a
+    cluster of several device kinds, also on each kind's largest group (tensor parallelism over a
+    heterogeneous cluster's two fastest GPUs rather than all of its devices)."""
     topo, look = prep.task.topology, prep.options.lookup()
     whole = tuple(range(topo.num_devices))
-    groups = [whole] if any(k[0] == whole for k in look) else []
+    groups = {whole: ""} if any(k[0] == whole for k in look) else {}
     host0 = [gr for gr in topo.hierarchy_groups() if 0 in gr and len(topo.hosts_of(gr)) == 1]
     if not groups and host0:
-        groups = [max(host0, key=len)]
+        groups = {max(host0, key=len): ""}
+    kinds = [dev.kind for dev in topo.devices]
+    table_groups = list(dict.fromkeys(key[0] for key in look))
+    for kind in dict.fromkeys(kinds) if len(set(kinds)) > 1 else ():
+        same = [g for g in table_groups if len(g) > 1 and all(kinds[d] == kind for d in g)]
+        if same:
+            groups.setdefault(max(same, key=len), f"{kind} x{len(max(same, key=len))} ")
     layouts = megatron_layouts(prep.graph)
     out = {}
-    for group in groups:
+    for group, label in groups.items():
         for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
             assign = np.empty(prep.graph.num_nodes, dtype=np.int64)
             for v in range(assign.size):
@@ -810,7 +818,7 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
                     if not prep.allowed[v, o]:
                         o = look[((group[0],), "single", 1)]
                 assign[v] = o * N_MODIFIERS
-            out[f"megatron tp{len(group) // dp} dp{dp}"] = assign
+            out[f"megatron {label}tp{len(group) // dp} dp{dp}"] = assign
     return out
 
 
