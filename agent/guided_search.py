@@ -132,12 +132,9 @@ class PolicyProposer:
         # per group, the policy's distribution at the current plan over its allowed actions other than the
         # current one, (action ids, probabilities), a tried action's probability zeroed: a group is scored
         # once per plan and a move proposed once from it (sampling without replacement); kept for the
-        # last UNTRIED_PLANS plans, as annealing returns to plans it left; ``tried``: per group the actions
-        # proposed from the current plan (also from a round carried over from the plan before, whose
-        # distributions are not this plan's), never proposed from it again
+        # last UNTRIED_PLANS plans, as annealing returns to plans it left
         self.untried: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.tried: dict[int, set[int]] = {}
-        self.untried_at: OrderedDict[bytes, tuple[dict, dict]] = OrderedDict()
+        self.untried_at: OrderedDict[bytes, dict[int, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
         self.round: list[tuple[int, np.ndarray, np.ndarray]] = []  # this round's groups with untried moves
 
     @property
@@ -167,10 +164,10 @@ class PolicyProposer:
         if key in self.untried_at:
             self.untried_at.move_to_end(key)
         else:
-            self.untried_at[key] = ({}, {})
+            self.untried_at[key] = {}
             if len(self.untried_at) > UNTRIED_PLANS:
                 self.untried_at.popitem(last=False)
-        self.untried, self.tried = self.untried_at[key]
+        self.untried = self.untried_at[key]
 
     def _mb_index(self, microbatches: int) -> int:
         """The env's microbatch choice nearest (in log) to the plan's, among those the batch allows."""
@@ -214,7 +211,7 @@ class PolicyProposer:
         fresh = [v for v in groups if v not in self.untried]
         for v, p in zip(fresh, self.distributions(fresh) if fresh else []):
             other = p.copy()
-            other[[self.assign[v], *self.tried.get(v, ())]] = 0.0
+            other[self.assign[v]] = 0.0
             ids = np.flatnonzero(other)
             self.untried[v] = (ids, other[ids])
         self.round = [(v, *self.untried[v]) for v in groups if self.untried[v][1].sum() > 0]
@@ -233,9 +230,6 @@ class PolicyProposer:
             j = int(rng.choice(p.size, p=p / p.sum()))
             p[j] = 0.0  # proposed once from this plan
             o = int(ids[j])
-            if o in self.tried.setdefault(v, set()):
-                continue
-            self.tried[v].add(o)
             cand = self.apply(plan, v, o)
             if cand is not None and digest(cand) not in seen:
                 return cand, (v, o)

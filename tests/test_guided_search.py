@@ -66,25 +66,30 @@ def test_without_the_policy_it_is_mcmc(task):
 
 
 def test_policy_moves_are_proposed_once_per_plan_and_scored_once(task, monkeypatch):
-    """Annealing returns to plans it left: from a plan, each (group, action) move is tried once and each
-    group's distribution computed once however often the chain comes back."""
+    """Annealing returns to plans it left: from a plan, each (group, action) move is proposed once and
+    each group's distribution computed once however often the chain comes back. (A round carried over
+    from the plan before may draw a move already proposed here; it re-creates a plan already scored and
+    is skipped, never proposed.)"""
     from collections import Counter
 
     import agent.guided_search as gs
 
     moves, scored = Counter(), Counter()
-    apply, distributions = gs.PolicyProposer.apply, gs.PolicyProposer.distributions
+    propose, distributions = gs.PolicyProposer.propose, gs.PolicyProposer.distributions
 
-    def counting_apply(self, plan, v, a):
-        moves[(gs.digest(plan), self.assign.tobytes(), v, a)] += 1
-        return apply(self, plan, v, a)
+    def counting_propose(self, plan, rng, seen):
+        at = (gs.digest(plan), self.assign.tobytes())
+        cand, move = propose(self, plan, rng, seen)
+        if move is not None:
+            moves[(*at, *move)] += 1
+        return cand, move
 
     def counting_distributions(self, groups):
         for v in groups:
             scored[(id(self.untried), v)] += 1  # the moves tried from the current plan
         return distributions(self, groups)
 
-    monkeypatch.setattr(gs.PolicyProposer, "apply", counting_apply)
+    monkeypatch.setattr(gs.PolicyProposer, "propose", counting_propose)
     monkeypatch.setattr(gs.PolicyProposer, "distributions", counting_distributions)
     res = _search(task, seed=4, evaluations=150, policy_fraction=1.0)
     assert res.evaluations == 150 and res.policy_proposals > 0
