@@ -546,12 +546,12 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """The refine start's candidates, one action per group: the reference plans expressed in the
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
-    its CPUs) and, where some group has weights, the same with ZeRO-3; and Megatron-style tensor x data
-    parallelism over all devices built in it (:func:`megatron_assignments`, one per tensor-parallel degree
-    the table offers) and pipelines of such groups (:func:`staged_megatron_assignments`); and the groups
-    on single devices: list-scheduled (:func:`list_schedule_assignments`)
-    and cut into balanced pipeline stages (:func:`pipeline_assignments`), the operator placements
-    multi-branch graphs and pipelines want."""
+    its CPUs) and, where some group has weights, the same with ZeRO-1 and with ZeRO-3; Megatron-style
+    tensor x data parallelism over all devices and each device kind's group (:func:`megatron_assignments`,
+    one per tensor-parallel degree the table offers) and pipelines of such groups
+    (:func:`staged_megatron_assignments`); and the groups on single devices: list-scheduled
+    (:func:`list_schedule_assignments`) and cut into balanced pipeline stages
+    (:func:`pipeline_assignments`), the operator placements multi-branch graphs and pipelines want."""
     plans = reference_plans(prep.task.graph, prep.task)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
@@ -805,7 +805,8 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     for kind in dict.fromkeys(kinds) if len(set(kinds)) > 1 else ():
         same = [g for g in table_groups if len(g) > 1 and all(kinds[d] == kind for d in g)]
         if same:
-            groups.setdefault(max(same, key=len), f"{kind} x{len(max(same, key=len))} ")
+            largest = max(same, key=len)
+            groups.setdefault(largest, f"{kind} x{len(largest)} ")
     layouts = megatron_layouts(prep.graph)
     out = {}
     for group, label in groups.items():
