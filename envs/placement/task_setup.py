@@ -759,7 +759,7 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     its group with Megatron's layouts (tp = the group's size) or data parallel over it; a layout the table
     does not offer or a group may not take becomes ``replicate``, then the group's first device alone."""
     look, nd, n = prep.options.lookup(), prep.task.topology.num_devices, prep.graph.num_nodes
-    groups = list(dict.fromkeys(key[0] for key in look))
+    groups = list(dict.fromkeys(prep.options.groups))
     layouts = megatron_layouts(prep.graph)
     out = {}
     for size in sorted({len(g) for g in groups if 1 < len(g) < nd and nd % len(g) == 0}):
@@ -774,16 +774,9 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             continue
         stage = contiguous_stages(prep.graph, k, weights=prep.time_single)
         for dp, name in ((1, f"tp{size}"), (size, f"dp{size}")):
-            assign = np.empty(n, dtype=np.int64)
-            for v in range(n):
-                group = cover[int(stage[v])]
-                o = look.get((group, layouts[v] if dp == 1 else "batch_split", dp))
-                if o is None or not prep.allowed[v, o]:
-                    o = look.get((group, "replicate", dp))
-                    if o is None or not prep.allowed[v, o]:
-                        o = look[((group[0],), "single", 1)]
-                assign[v] = o * N_MODIFIERS
-            out[f"pipeline {k} stages x megatron {name}"] = assign
+            out[f"pipeline {k} stages x megatron {name}"] = np.array(
+                [_group_action(prep, look, v, cover[int(stage[v])], layouts[v] if dp == 1 else "batch_split", dp)
+                 for v in range(n)], dtype=np.int64)
     return out
 
 
@@ -796,14 +789,13 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     heterogeneous cluster's two fastest GPUs rather than all of its devices)."""
     topo, look = prep.task.topology, prep.options.lookup()
     whole = tuple(range(topo.num_devices))
-    groups = {whole: ""} if any(k[0] == whole for k in look) else {}
+    groups = {whole: ""} if whole in prep.options.groups else {}
     host0 = [gr for gr in topo.hierarchy_groups() if 0 in gr and len(topo.hosts_of(gr)) == 1]
     if not groups and host0:
         groups = {max(host0, key=len): ""}
     kinds = [dev.kind for dev in topo.devices]
-    table_groups = list(dict.fromkeys(key[0] for key in look))
     for kind in dict.fromkeys(kinds) if len(set(kinds)) > 1 else ():
-        same = [g for g in table_groups if len(g) > 1 and all(kinds[d] == kind for d in g)]
+        same = [g for g in prep.options.groups if len(g) > 1 and all(kinds[d] == kind for d in g)]
         if same:
             largest = max(same, key=len)
             groups.setdefault(largest, f"{kind} x{len(largest)} ")
@@ -811,16 +803,21 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     out = {}
     for group, label in groups.items():
         for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
-            assign = np.empty(prep.graph.num_nodes, dtype=np.int64)
-            for v in range(assign.size):
-                o = look.get((group, layouts[v], dp))
-                if o is None or not prep.allowed[v, o]:
-                    o = look[(group, "replicate", dp)]
-                    if not prep.allowed[v, o]:
-                        o = look[((group[0],), "single", 1)]
-                assign[v] = o * N_MODIFIERS
-            out[f"megatron {label}tp{len(group) // dp} dp{dp}"] = assign
+            out[f"megatron {label}tp{len(group) // dp} dp{dp}"] = np.array(
+                [_group_action(prep, look, v, group, layouts[v], dp) for v in range(prep.graph.num_nodes)],
+                dtype=np.int64)
     return out
+
+
+def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
+    """Group ``v``'s action (no modifier) for ``layout`` over ``group`` at data-parallel degree ``dp``: that
+    placement where the table has it and the group may take it, else ``replicate`` over the group, else
+    the group's first device alone."""
+    for key in ((group, layout, dp), (group, "replicate", dp)):
+        o = look.get(key)
+        if o is not None and prep.allowed[v, o]:
+            return o * N_MODIFIERS
+    return look[((group[0],), "single", 1)] * N_MODIFIERS
 
 
 __all__ = ["Settings", "PreparedTask", "RefineStart", "Scoring", "prepare_task", "reference", "refine_start",
