@@ -19,7 +19,7 @@ from agent.imitation import BC_LEARNING_RATE
 from agent.self_imitation import SETTINGS as SELF_IMITATION
 from envs.coarsen import METHODS as COARSEN_METHODS
 from envs.placement.env import MODES, REFINE_INITS
-from envs.placement.observation import OPTION_STATE_FEATURES
+from envs.placement.observation import MICROBATCH_CHOICES, OPTION_STATE_FEATURES
 from envs.placement.options import ORDERS
 from envs.sim import OBJECTIVES
 from profilers.spec import SAMPLE_SIZES as SPEC_SIZES
@@ -65,7 +65,7 @@ class EnvSection(Section):
     coarsen: bool = True
     coarsen_method: Literal[COARSEN_METHODS] = "auto"  # type: ignore[valid-type]
     order: Literal[ORDERS] = "topological"  # type: ignore[valid-type]
-    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128],
+    microbatch_choices: list[PositiveInt] = Field(default_factory=lambda: list(MICROBATCH_CHOICES),
                                                   min_length=1, max_length=16)
     refine_passes: PositiveInt = 1
     refine_init: Literal[REFINE_INITS] = "best"  # type: ignore[valid-type]

@@ -35,7 +35,8 @@ TINY = {
     "seed": 0,
     "n_envs": 1,
     "total_timesteps": 1024,
-    "env": {"max_nodes": 8, "max_devices": 4, "objective": "step_time"},
+    "env": {"max_nodes": 8, "max_devices": 4, "objective": "step_time",
+            "microbatch_choices": [1, 2, 4, 8, 16, 32, 64, 128]},  # 8, not the default 16: a 1024-step run
     "tasks": {"builtin": ["gpt-tiny", "mlp-chain"], "topologies": ["pcie-4gpu"]},
     "eval_tasks": {"builtin": ["moe-wide"], "topologies": ["pcie-4gpu"]},
     "policy": {"hidden": 32, "rounds": 2, "device_rounds": 1, "value_hidden": 32, "dynamic_rounds": 1},
@@ -169,7 +170,7 @@ def test_shipped_policy_loads_and_places():
     model = load_policy(PRETRAINED)
     shape = model_shape(model)
     tasks = default_tasks("dgx-a100-80g", names=["gpt-medium"])
-    env = PlacementEnv(tasks, **shape)
+    env = PlacementEnv(tasks, **shape, **model.episode_kwargs)  # the policy's own episode settings
     info = rollout(model, env, tasks[0], deterministic=True)
     info["plan"].validate(tasks[0].graph, tasks[0].topology)
 

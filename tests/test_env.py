@@ -564,10 +564,25 @@ def test_microbatch_choices_stand_for_the_nearest_divisor_of_the_batch():
                                   [1, 2, 4, 8, 0, 61, 0, 122, 244])  # 488 = 8 x 61: 16 is 8 again, 32 and 64 61
     np.testing.assert_array_equal(microbatch_counts(3, (2, 4)), [3, 0])
     np.testing.assert_array_equal(microbatch_counts(64, (1, 2, 4, 128)), [1, 2, 4, 64])
-    env = PlacementEnv([Task(load_builtin_graph("gpt-tiny"), preset("pcie-4gpu"), batch=488)])
+    env = PlacementEnv([Task(load_builtin_graph("gpt-tiny"), preset("pcie-4gpu"), batch=488)],
+                       microbatch_choices=(1, 2, 4, 8, 16, 32, 64, 128))
     env.reset(seed=0)
     assert env.prepared.mb_counts.tolist() == [1, 2, 4, 8, 0, 61, 0, 122]
     np.testing.assert_array_equal(np.flatnonzero(env.action_masks()), [0, 1, 2, 3, 5, 7])
+
+
+def test_default_microbatch_choices_leave_no_gap_that_data_parallelism_cannot_split():
+    """Between any two neighbouring counts of the defaults that split a batch over two data-parallel
+    replicas there is at most a factor 2.5 (powers of two alone: batch 240 on 2 replicas has 8, then 30,
+    since 16 microbatches of 15 do not split; Megatron's fewest that fit memory can be 10-15)."""
+    from envs.placement.observation import MICROBATCH_CHOICES
+    from envs.placement.task_setup import microbatch_counts
+
+    for batch in (240, 96, 384, 1000, 992, 72, 360):
+        counts = sorted(int(m) for m in microbatch_counts(batch, MICROBATCH_CHOICES) if m and (batch // m) % 2 == 0)
+        gaps = [b / a for a, b in zip(counts, counts[1:])]
+        assert max(gaps) <= 2.5, (batch, counts)
+    assert 12 in microbatch_counts(240, MICROBATCH_CHOICES).tolist()
 
 
 def test_kind_groups_are_placements_beside_the_hierarchy():

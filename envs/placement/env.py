@@ -99,6 +99,7 @@ from envs.evaluator import CachedSimulation, EvalResult, PlanEvaluator
 from envs.graph import OpGraph
 from envs.placement.observation import (
     GLOBAL_CHOICES,
+    MICROBATCH_CHOICES,
     PHASES,
     VIRTUAL_STAGE_CHOICES,
     DynamicState,
@@ -137,7 +138,7 @@ class PlacementEnv(gym.Env):
                  max_nodes: int = 64, max_devices: int = 8, max_edges: int | None = None,
                  max_options: int | None = None, mode: str = "place", objective: str = "step_time",
                  evaluator: PlanEvaluator | None = None, coarsen: bool = True, coarsen_method: str = "auto",
-                 order: str = "topological", microbatch_choices: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
+                 order: str = "topological", microbatch_choices: Sequence[int] = MICROBATCH_CHOICES,
                  refine_passes: int = 1, refine_init: str = "best", eval_graph: str = "fine",
                  evaluate_steps: bool = True, seed: int | None = None, task_cache_size: int = 64):
         super().__init__()

@@ -55,6 +55,10 @@ PHASES = ("microbatches", "schedule", "place", "virtual_stages")
 PLACE_PHASE = PHASES.index("place")
 GLOBAL_PHASES = tuple(i for i, p in enumerate(PHASES) if p != "place")
 GLOBAL_CHOICES = 16  # actions 0..15 carry a global decision's choices (microbatches, schedule, stages)
+# The default microbatch counts, steps of x1.5 / x1.33 (each stands for the divisor of the batch nearest to it):
+# with powers of two alone a batch of 240 on two data-parallel replicas has no count between 8 (too large a
+# microbatch for memory) and 30 (Megatron's fewest that fit is 10-15: 12 here stands for 12 microbatches of 20)
+MICROBATCH_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 FEATURE_BOUND = 16.0  # every feature is clipped to [-FEATURE_BOUND, FEATURE_BOUND]
 NODE_INDEX = "node index"  # an upper bound: the largest node slot (max_nodes - 1)
 
