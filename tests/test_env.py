@@ -817,3 +817,31 @@ def test_megatron_starts_on_each_device_kinds_group_of_a_heterogeneous_cluster()
     groups = {env.prepared.options.groups[r] for r in a100}
     assert groups <= {(0, 1), (0,)} and (0, 1) in groups
     assert any(name.startswith("megatron tp7") for name in starts)  # all devices, as before
+
+
+def test_a_pipeline_start_tries_every_microbatch_count(monkeypatch):
+    """A pipeline's time is not monotone in its microbatch count (the bubble shrinks while the
+    microbatches' efficiency and the activations in flight change), so the refine start evaluates every
+    count that fits, not only until the time first stops falling."""
+    from envs.placement import task_setup
+
+    g = transformer_graph(layers=4, hidden=256, heads=4, seq=64, vocab=500, batch=64)
+    task = Task(g, preset("pcie-4gpu"))
+    real = task_setup.start_assignments
+
+    def one_pipeline(prep):
+        return {k: v for k, v in real(prep).items() if k == "pipeline 2 stages"}
+
+    class NonMonotone:  # 2 microbatches better than 1, 4 worse, 8 best of all
+        times = {1: 10.0, 2: 9.0, 4: 9.5, 8: 5.0}
+
+        def evaluate(self, graph, topology, plan, objective="step_time"):
+            n = topology.num_devices
+            return EvalResult(self.times.get(plan.microbatches, 20.0), np.zeros(n), np.ones(n), False)
+
+    monkeypatch.setattr(task_setup, "start_assignments", one_pipeline)
+    env = PlacementEnv([task], mode="refine", max_nodes=16, max_devices=4, evaluator=NonMonotone(),
+                       microbatch_choices=(1, 2, 4, 8))
+    env.reset(seed=0)
+    start = env.prepared.start
+    assert start.name == "pipeline 2 stages" and int(env.prepared.mb_counts[start.mb_idx]) == 8
