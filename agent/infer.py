@@ -346,6 +346,7 @@ def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Ge
     infos: list[dict] = [{} for _ in envs]
     sizes = padding_sizes(obs[0])  # same task in every env: the same static arrays and sizes
     static = {k: th.as_tensor(v)[None] for k, v in trim_to(obs[0], sizes, STATIC_KEYS).items()}
+    expanded: dict[int, tuple[dict, th.Tensor, th.Tensor]] = {}  # batch size -> the static part, expanded
     with th.no_grad():
         dev_s, node_s = fe.static_embeddings(static)
         while not all(done):
@@ -355,10 +356,14 @@ def _rollouts(fe, envs: list, task, deterministic: list[bool], rng: np.random.Ge
             logits = {}
             if choose:
                 trimmed = [trim_to(obs[i], sizes, DYNAMIC_KEYS) for i in choose]
-                batch = {k: th.as_tensor(np.stack([o[k] for o in trimmed])) for k in trimmed[0]}
                 b = len(choose)
-                batch.update({k: v.expand(b, *v.shape[1:]) for k, v in static.items()})
-                out = fe.logits_from_embeddings(batch, dev_s.expand(b, -1, -1), node_s.expand(b, -1, -1))[0]
+                batch = {k: th.from_numpy(np.stack([o[k] for o in trimmed])) for k in trimmed[0]}
+                if b not in expanded:
+                    expanded[b] = ({k: v.expand(b, *v.shape[1:]) for k, v in static.items()},
+                                   dev_s.expand(b, -1, -1), node_s.expand(b, -1, -1))
+                static_b, dev_b, node_b = expanded[b]
+                batch.update(static_b)
+                out = fe.logits_from_embeddings(batch, dev_b, node_b)[0]
                 out = out.numpy().astype(np.float64)
                 logits = {i: out[j] for j, i in enumerate(choose)}
             for i in active:

@@ -161,6 +161,52 @@ def test_static_embeddings_deduplicated_and_cached_exactly():
         assert th.equal(fe.action_logits_and_pooled(batch)[0], after)
 
 
+def test_logits_run_only_the_heads_of_the_batchs_phases():
+    """A batch of place-phase rows does not run the global heads, one of global-phase rows does not run
+    the action scorer, and a mixed batch gives each row the logits it gets alone; node states above and
+    below the deduplication threshold give the same MLP output."""
+    import torch as th
+
+    from agent import policy as policy_mod
+    from envs.placement.env import PlacementEnv
+    from envs.placement.observation import PHASES
+    from envs.tasks import default_tasks
+
+    env = PlacementEnv(default_tasks("pcie-4gpu", names=["gpt-tiny"]), max_nodes=8, max_devices=4)
+    model = MaskablePPO(GraphPlacementPolicy, env, seed=0, device="cpu", n_steps=64, batch_size=32,
+                        policy_kwargs={"hidden": 16, "rounds": 1})
+    fe = model.policy.features_extractor
+    obs, _ = env.reset(seed=0)
+    rows = [obs]
+    while PHASES[int(np.argmax(rows[-1]["phase"]))] != "place":
+        rows.append(env.step(int(np.flatnonzero(env.action_masks())[0]))[0])
+    glob, place_row = rows[0], rows[-1]
+    calls = {"global": 0, "scorer": 0}
+    fe.global_heads.register_forward_hook(lambda *a: calls.__setitem__("global", calls["global"] + 1))
+    fe.scorer.register_forward_hook(lambda *a: calls.__setitem__("scorer", calls["scorer"] + 1))
+
+    def logits(batch_rows):
+        with th.no_grad():
+            return fe.action_logits_and_pooled({k: th.as_tensor(np.stack([r[k] for r in batch_rows]))
+                                               for k in glob})[0]
+
+    alone_place = logits([place_row])
+    assert calls == {"global": 0, "scorer": 1}
+    alone_glob = logits([glob])
+    assert calls == {"global": 1, "scorer": 1}
+    mixed = logits([place_row, glob])
+    assert calls == {"global": 2, "scorer": 2}
+    assert th.allclose(mixed[0], alone_place[0], atol=1e-6) and th.allclose(mixed[1], alone_glob[0], atol=1e-6)
+    assert th.isfinite(alone_place).all() and (alone_glob[0, :8] != 0).any()
+    few = th.zeros(10, 3)
+    few[::2, 1] = 1.0
+    many = few.repeat(policy_mod.ROWWISE_MIN_ROWS, 1)  # deduplicated: 2 distinct rows of 40,960
+    mlp = th.nn.Sequential(th.nn.Linear(3, 8), th.nn.SiLU())
+    with th.no_grad():
+        assert th.allclose(policy_mod._rowwise(mlp, many), mlp(many), atol=1e-6)
+        assert th.equal(policy_mod._rowwise(mlp, few), mlp(few))
+
+
 def test_shipped_policy_loads_and_places():
     """The pretrained policy matches the current policy classes and places a built-in graph."""
     from agent.infer import PRETRAINED, load_policy
