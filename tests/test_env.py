@@ -819,6 +819,47 @@ def test_megatron_starts_on_each_device_kinds_group_of_a_heterogeneous_cluster()
     assert any(name.startswith("megatron tp7") for name in starts)  # all devices, as before
 
 
+def test_kind_pipeline_starts_put_data_parallel_stages_on_each_device_kind():
+    """On a cluster of several kinds, a start's stages are each kind's group (the kind of more
+    throughput first), contiguous in topological order, data parallel over the group, at the smallest
+    bottleneck of stage time over replicas (every 2-stage cut checked: one V100 vs a pair of T4s, so
+    ignoring the replicas cuts elsewhere); a cluster of one kind gets none."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import kind_pipeline_assignments, single_device_times
+    from envs.plan import LAYOUTS
+    from envs.presets import PCIE3, _t4, _v100
+    from envs.topology import Link, Topology
+
+    devs = [_v100("v100"), _t4("t4.0"), _t4("t4.1")]
+    topo = Topology(devs, [Link(d.name, "rc", kind="pcie", **PCIE3) for d in devs], ["rc"], name="v100+2t4")
+    g = transformer_graph(layers=8, hidden=256, heads=4, seq=64, vocab=500, batch=8)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=60, max_devices=4)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = kind_pipeline_assignments(prep)
+    assert list(starts) == ["pipeline over device kinds t4 x2 | v100-32g x1"]  # 2 x 65 TFLOP/s > 125
+    two = starts["pipeline over device kinds t4 x2 | v100-32g x1"]
+    opts, order = prep.options, prep.graph.topological_order()
+    groups = [opts.groups[r] for r in two[order] // N_MODIFIERS]
+    stage = np.array([0 if set(gr) <= {1, 2} else 1 for gr in groups])
+    assert set(groups) <= {(1, 2), (1,), (0,)} and (np.diff(stage) >= 0).all() and stage.max() == 1
+    assert {LAYOUTS[opts.layout[r]] for r in two // N_MODIFIERS if len(opts.groups[r]) > 1} == {"batch_split"}
+    _, _, tau = single_device_times(prep)
+    cum = np.cumsum(tau[order][:, [1, 0]] / [2.0, 1.0], axis=0)  # the T4 stage's work over its 2 replicas
+
+    def bottleneck(cut):
+        return max(cum[cut - 1, 0], cum[-1, 1] - cum[cut - 1, 1])
+
+    cuts = stage_cuts(prep.graph, 2).tolist()
+    best = min(cuts, key=bottleneck)
+    assert bottleneck(int(np.argmax(stage))) <= bottleneck(best) * (1 + 1e-5)
+    unreplicated = min(cuts, key=lambda c: max(2 * cum[c - 1, 0], cum[-1, 1] - cum[c - 1, 1]))
+    assert bottleneck(unreplicated) > bottleneck(best) * 1.01  # the replicas change the answer here
+    env = PlacementEnv(default_tasks("dgx-a100-80g", names=["gpt-tiny"]), mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    assert kind_pipeline_assignments(env.prepared) == {}
+
+
 def test_a_pipeline_start_tries_every_microbatch_count(monkeypatch):
     """A pipeline's time is not monotone in its microbatch count (the bubble shrinks while the
     microbatches' efficiency and the activations in flight change), so the refine start evaluates every

@@ -552,7 +552,9 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     one per tensor-parallel degree the table offers) and pipelines of such groups
     (:func:`staged_megatron_assignments`); and the groups on single devices: list-scheduled
     (:func:`list_schedule_assignments`) and cut into balanced pipeline stages
-    (:func:`pipeline_assignments`), the operator placements multi-branch graphs and pipelines want."""
+    (:func:`pipeline_assignments`), the operator placements multi-branch graphs and pipelines want; on a
+    cluster of several device kinds, pipelines whose stages are data parallel over each kind's devices
+    (:func:`kind_pipeline_assignments`)."""
     plans = reference_plans(prep.task.graph, prep.task)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
@@ -560,6 +562,7 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     out.update(staged_megatron_assignments(prep))
     out.update(list_schedule_assignments(prep))
     out.update(pipeline_assignments(prep))
+    out.update(kind_pipeline_assignments(prep))
     return out
 
 
@@ -717,39 +720,112 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     total = tau.sum(axis=0)  # each device's time for all groups (inf: it may not hold some)
     devs = usable[np.argsort(total[usable], kind="stable")]
     counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
-    # the min-max cut moves placement units (a co-located class goes where its first member in the
-    # topological order goes, e.g. a layer's backward with its forward), each weighing its members' sums
-    order = prep.graph.topological_order()
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    unit = np.arange(n)
-    for mem in prep.class_members:
-        unit[mem] = mem[np.argmin(rank[mem])]
-    leader_pos = np.flatnonzero(unit[order] == order)  # where in the order each unit's leader sits
-    leaders = order[leader_pos]
-    m = int(prep.mb_counts[prep.mb_valid].max())
-    activations = prep.act_kept[:, 0] * (prep.task.global_batch / max(int(prep.graph.batch_size), 1) / m)
-    unit_tau = np.zeros((n, tau.shape[1]))
-    np.add.at(unit_tau, unit, tau)
-    unit_tau = unit_tau[leaders]
-    unit_states = np.bincount(unit, weights=prep.states, minlength=n)[leaders]
-    unit_activations = np.bincount(unit, weights=activations, minlength=n)[leaders]
+    units = _PipelineUnits.of(prep, tau)
     out = {}
     for k in (k for k in counts if k <= n):
         even = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]], shares=total[devs[0]] / total[devs[:k]])
         out[f"pipeline {k} stages"] = single[devs[even]] * N_MODIFIERS
-        in_flight = np.minimum(m, k - np.arange(k))  # 1F1B: stage s keeps min(m, k - s) microbatches
-        memory = unit_states[:, None] + unit_activations[:, None] * in_flight[None, :]
-        cuts = np.unique(np.searchsorted(leader_pos, stage_cuts(prep.graph, k)))  # as positions among leaders
-        leader_stage = bottleneck_stages(unit_tau[:, devs[:k]], memory, prep.capacity[devs[:k]], cuts)
-        if leader_stage is None:
-            continue
-        stage_of = np.empty(n, dtype=np.int64)
-        stage_of[leaders] = leader_stage
-        stage = stage_of[unit]
-        if not np.array_equal(stage, even):
+        stage = units.min_max(prep, devs[:k], np.ones(k))
+        if stage is not None and not np.array_equal(stage, even):
             out[f"pipeline {k} stages min-max"] = single[devs[stage]] * N_MODIFIERS
     return out
+
+
+def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """On a cluster of several device kinds, PipeDream's pipelines whose stages are data parallel over
+    replicas of unequal count (Narayanan et al., SOSP 2019): stage ``s`` on the ``s``-th kind's largest
+    group of the table that the batch splits over (or its one device), the kinds in order of their
+    group's throughput, fastest first, for the fastest 2, 3, ... kinds that may hold every group. The
+    groups' topological order is cut at the smallest bottleneck that fits
+    (:func:`envs.placement.stage_partition.bottleneck_stages`): a group's time on a stage is its roofline
+    time on the kind's device over the replicas, a replica holds the stage's model states and its share
+    of the activations 1F1B keeps in flight. A group the table does not let split the batch there takes
+    ``replicate`` over the stage's devices, else its first device alone (:func:`_group_action`)."""
+    topo = prep.task.topology
+    kinds: dict[str, list[int]] = {}
+    for d, dev in enumerate(topo.devices):
+        kinds.setdefault(dev.kind, []).append(d)
+    n = prep.graph.num_nodes
+    if len(kinds) < 2 or n < 2:
+        return {}
+    single, ok, tau = single_device_times(prep)
+    look = prep.options.lookup()
+    stages = []  # (throughput, group, replicas) per kind that may hold every group
+    for members in kinds.values():
+        fitting = [g for g in prep.options.groups if set(g) <= set(members)
+                   and prep.task.global_batch % len(g) == 0 and (len(g) == 1 or (g, "batch_split", len(g)) in look)]
+        d0 = members[0]
+        if not fitting or not ok[:, d0].all():
+            continue
+        g = max(fitting, key=lambda x: (len(x), -x[0]))
+        stages.append((len(g) / tau[:, g[0]].sum(), g))
+    stages.sort(key=lambda st: -st[0])
+    units = _PipelineUnits.of(prep, tau)
+    out = {}
+    for k in range(2, min(len(stages), n) + 1):
+        groups = [g for _, g in stages[:k]]
+        stage = units.min_max(prep, np.array([g[0] for g in groups]), np.array([len(g) for g in groups], float))
+        if stage is None:
+            continue
+        name = " | ".join(f"{topo.devices[g[0]].kind} x{len(g)}" for g in groups)
+        out[f"pipeline over device kinds {name}"] = np.array(
+            [_group_action(prep, look, v, groups[int(stage[v])], "batch_split", len(groups[int(stage[v])]))
+             if len(groups[int(stage[v])]) > 1 else single[groups[int(stage[v])][0]] * N_MODIFIERS
+             for v in range(n)], dtype=np.int64)
+    return out
+
+
+@dataclass(frozen=True)
+class _PipelineUnits:
+    """The placement units a pipeline cut moves (a co-located class goes where its first member in the
+    topological order goes, e.g. a layer's backward with its forward), each weighing its members' sums:
+    roofline time on every device, model states, and activations of one microbatch at the largest count
+    the batch allows."""
+
+    n: int
+    unit: np.ndarray  # [n] the unit (its leader group) of each group
+    leaders: np.ndarray  # the units' leaders in topological order
+    leader_pos: np.ndarray  # where in the topological order each leader sits
+    tau: np.ndarray  # [units, nd]
+    states: np.ndarray  # [units]
+    activations: np.ndarray  # [units]
+    microbatches: int
+
+    @classmethod
+    def of(cls, prep: PreparedTask, tau: np.ndarray) -> _PipelineUnits:
+        n = prep.graph.num_nodes
+        order = prep.graph.topological_order()
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n)
+        unit = np.arange(n)
+        for mem in prep.class_members:
+            unit[mem] = mem[np.argmin(rank[mem])]
+        leader_pos = np.flatnonzero(unit[order] == order)
+        leaders = order[leader_pos]
+        m = int(prep.mb_counts[prep.mb_valid].max())
+        activations = prep.act_kept[:, 0] * (prep.task.global_batch / max(int(prep.graph.batch_size), 1) / m)
+        unit_tau = np.zeros((n, tau.shape[1]))
+        np.add.at(unit_tau, unit, tau)
+        return cls(n=n, unit=unit, leaders=leaders, leader_pos=leader_pos, tau=unit_tau[leaders],
+                   states=np.bincount(unit, weights=prep.states, minlength=n)[leaders],
+                   activations=np.bincount(unit, weights=activations, minlength=n)[leaders], microbatches=m)
+
+    def min_max(self, prep: PreparedTask, devices: np.ndarray, replicas: np.ndarray) -> np.ndarray | None:
+        """The stage of each group for stages on ``devices`` (one per stage, data parallel over
+        ``replicas`` of its kind), cut between layers where the graph has them, at the smallest
+        bottleneck stage time that fits in memory (stage ``s`` of ``k`` keeps ``min(m, k - s)``
+        microbatches in flight under 1F1B); None when no cut fits."""
+        k = len(devices)
+        in_flight = np.minimum(self.microbatches, k - np.arange(k)) / replicas
+        memory = self.states[:, None] + self.activations[:, None] * in_flight[None, :]
+        cuts = np.unique(np.searchsorted(self.leader_pos, stage_cuts(prep.graph, k)))  # positions among leaders
+        leader_stage = bottleneck_stages(self.tau[:, devices] / replicas[None, :], memory,
+                                         prep.capacity[devices], cuts)
+        if leader_stage is None:
+            return None
+        stage_of = np.empty(self.n, dtype=np.int64)
+        stage_of[self.leaders] = leader_stage
+        return stage_of[self.unit]
 
 
 def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
