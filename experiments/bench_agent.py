@@ -54,6 +54,7 @@ USER_MODELS = [("mixer", "experiments/models/mixer.py:build", "dgx-a100-80g"),
 SUITE_CASES = ["gpt-small@dgx-a100", "mlp-chain@pcie-4gpu", "branching-cnn@dgx1-v100", "moe-wide@dgx-a100",
                "gpt-small@hetero", "gpt-350m@pcie-4gpu", "traced-gpt@pcie-4gpu"]
 MCMC_SECONDS = 15.0
+D_REPEATS = 5  # (d): timed calls; the median is reported
 
 
 # ---------------------------------------------------------------------- cases
@@ -297,11 +298,15 @@ def target_d(policy: str) -> dict:
     env, _, _ = policy_env(model, Task(g, topo), "step_time", 500)
     groups = int(env.reset()[1]["num_groups"])
     place(g, topo, model=model, samples=0, baselines=False, max_groups=500)  # warm-up (imports, caches)
-    t = time.perf_counter()
-    res = place(g, topo, model=model, samples=0, baselines=False, max_groups=500)
-    total = time.perf_counter() - t
-    return {"ops": g.num_nodes, "groups": groups, "greedy_seconds": round(total, 3), "phases": res.seconds,
-            "target": "<= 1 s"}
+    times, phases = [], []
+    for _ in range(D_REPEATS):  # each call prepares the task anew (a fresh environment)
+        t = time.perf_counter()
+        res = place(g, topo, model=model, samples=0, baselines=False, max_groups=500)
+        times.append(time.perf_counter() - t)
+        phases.append(res.seconds)
+    mid = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]  # the median call (the machine's noise: +-15% call to call)
+    return {"ops": g.num_nodes, "groups": groups, "greedy_seconds": round(times[mid], 3),
+            "calls": [round(x, 3) for x in times], "phases": phases[mid], "target": "<= 1 s"}
 
 
 # ---------------------------------------------------------------------- reports
@@ -349,8 +354,10 @@ def markdown(target: str, res: dict) -> str:
                          f"{r['speedup']:.3f} | {r.get('search_ms', float('nan')):.3f} | "
                          f"{r.get('headroom', float('nan')):.3f} |")
     else:
+        calls = f"; calls {', '.join(f'{x:.3f}' for x in res['calls'])} s" if "calls" in res else ""
         lines += [f"Greedy-only placement of a {res['ops']}-op GPT in {res['groups']} groups: "
-                  f"{res['greedy_seconds']:.3f} s ({', '.join(f'{k} {v:.2f} s' for k, v in res['phases'].items())})."]
+                  f"{res['greedy_seconds']:.3f} s, the median call "
+                  f"({', '.join(f'{k} {v:.2f} s' for k, v in res['phases'].items())}{calls})."]
     return "\n".join(lines) + "\n"
 
 
