@@ -152,7 +152,7 @@ class PolicyProposer:
         self.assign = express(p, plan)
         for mem in p.class_members:
             self.assign[mem] = self.assign[mem[0]]
-        self.globals = (self._mb_index(plan.microbatches),
+        self.globals = (self.prep.nearest_microbatch_choice(plan.microbatches),
                         SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1, 0)
         self._plan_changed(digest(plan) if plan_digest is None else plan_digest)
 
@@ -168,12 +168,6 @@ class PolicyProposer:
             if len(self.untried_at) > UNTRIED_PLANS:
                 self.untried_at.popitem(last=False)
         self.untried = self.untried_at[key]
-
-    def _mb_index(self, microbatches: int) -> int:
-        """The env's microbatch choice nearest (in log) to the plan's, among those the batch allows."""
-        counts = np.maximum(self.prep.mb_counts, 1).astype(np.float64)
-        dist = np.where(self.prep.mb_valid, np.abs(np.log(counts) - math.log(max(microbatches, 1))), np.inf)
-        return int(np.argmin(dist))
 
     def distributions(self, groups: list[int]) -> list[np.ndarray]:
         """The policy's masked softmax over actions for each of ``groups`` in the current plan (with

@@ -860,6 +860,24 @@ def test_kind_pipeline_starts_put_data_parallel_stages_on_each_device_kind():
     assert kind_pipeline_assignments(env.prepared) == {}
 
 
+def test_nearest_microbatch_choice_is_nearest_in_log_among_the_allowed():
+    env = PlacementEnv(default_tasks("pcie-4gpu", names=["gpt-tiny"]), mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    prep = env.prepared
+    counts = prep.mb_counts
+    valid = np.flatnonzero(prep.mb_valid)
+    for i in valid.tolist():
+        assert prep.nearest_microbatch_choice(int(counts[i])) == i
+    only_one = np.zeros_like(prep.mb_valid)
+    only_one[valid[0]] = True
+    assert prep.nearest_microbatch_choice(10**6, only_one) == valid[0]
+    assert set(counts[valid].tolist()) >= {1, 2, 4}  # batch 8
+    one_or_four = prep.mb_valid & np.isin(counts, (1, 4))  # 2 lies exactly between them in log: the smaller
+    assert counts[prep.nearest_microbatch_choice(2, one_or_four)] == 1
+    assert counts[prep.nearest_microbatch_choice(3, one_or_four)] == 4
+    assert prep.nearest_microbatch_choice(10**6) == valid[np.argmax(counts[valid])]
+
+
 def test_a_pipeline_start_tries_every_microbatch_count(monkeypatch):
     """A pipeline's time is not monotone in its microbatch count (the bubble shrinks while the
     microbatches' efficiency and the activations in flight change), so the refine start evaluates every

@@ -283,8 +283,7 @@ class PlacementEnv(gym.Env):
         ok = p.mb_valid & p.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
         if not ok.any():
             ok = p.mb_valid & (p.mb_counts == 1)
-        dist = np.where(ok, np.abs(np.log(np.maximum(p.mb_counts, 1)) - np.log(max(plan.microbatches, 1))), np.inf)
-        mb_idx = int(np.argmin(dist))
+        mb_idx = p.nearest_microbatch_choice(plan.microbatches, ok)
         sched = SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else SCHEDULES.index("1f1b")
         res = self._scoring.evaluate(p, p.plan(assign, int(p.mb_counts[mb_idx]), SCHEDULES[sched], 1, self._placer))
         return RefineStart(name="given", assign=assign, reward=plan_reward(res, self._ref["time"]), mb_idx=mb_idx,

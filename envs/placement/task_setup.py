@@ -126,6 +126,13 @@ class PreparedTask:
     def num_actions(self) -> int:
         return self.options.size * N_MODIFIERS
 
+    def nearest_microbatch_choice(self, microbatches: int, ok: np.ndarray | None = None) -> int:
+        """The index of the microbatch choice whose count is nearest (in log) to ``microbatches``, among
+        those ``ok`` allows (default: those the batch allows; ties go to the smaller count)."""
+        ok = self.mb_valid if ok is None else ok
+        dist = np.abs(np.log(np.maximum(self.mb_counts, 1)) - np.log(max(int(microbatches), 1)))
+        return int(np.argmin(np.where(ok, dist, np.inf)))
+
     def plan(self, assign: np.ndarray, microbatches: int, schedule: str, virtual_stages: int, placer: str) -> Plan:
         """The plan on the task's operators that gives group ``v`` action ``assign[v]`` (its placement's
         devices, layout and dp; its modifier's ZeRO stage on its weighted ops, recomputation of all its
