@@ -757,7 +757,7 @@ def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         return {}
     single, ok, tau = single_device_times(prep)
     look = prep.options.lookup()
-    stages = []  # (throughput, group, replicas) per kind that may hold every group
+    stages = []  # (throughput, group) per kind that may hold every group
     for members in kinds.values():
         fitting = [g for g in prep.options.groups if set(g) <= set(members)
                    and prep.task.global_batch % len(g) == 0 and (len(g) == 1 or (g, "batch_split", len(g)) in look)]
@@ -774,11 +774,13 @@ def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         stage = units.min_max(prep, np.array([g[0] for g in groups]), np.array([len(g) for g in groups], float))
         if stage is None:
             continue
+        actions = []
+        for v in range(n):
+            g = groups[int(stage[v])]
+            actions.append(_group_action(prep, look, v, g, "batch_split", len(g)) if len(g) > 1
+                           else single[g[0]] * N_MODIFIERS)
         name = " | ".join(f"{topo.devices[g[0]].kind} x{len(g)}" for g in groups)
-        out[f"pipeline over device kinds {name}"] = np.array(
-            [_group_action(prep, look, v, groups[int(stage[v])], "batch_split", len(groups[int(stage[v])]))
-             if len(groups[int(stage[v])]) > 1 else single[groups[int(stage[v])][0]] * N_MODIFIERS
-             for v in range(n)], dtype=np.int64)
+        out[f"pipeline over device kinds {name}"] = np.array(actions, dtype=np.int64)
     return out
 
 
