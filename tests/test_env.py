@@ -860,6 +860,41 @@ def test_kind_pipeline_starts_put_data_parallel_stages_on_each_device_kind():
     assert kind_pipeline_assignments(env.prepared) == {}
 
 
+def test_hybrid_start_keeps_weight_heavy_groups_whole_and_the_rest_data_parallel():
+    """Krizhevsky's rule per group: whole on one device where its gradient all-reduce over the data-parallel
+    group costs more than data parallelism saves of its compute, the longest such groups first on the
+    least loaded devices; the compute-heavy rest batch_split over the group."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import hybrid_parallel_assignments, single_device_times
+    from envs.plan import LAYOUTS
+
+    g = chain_graph(8, flops=2e12, batch_size=64, act_bytes=1e7)
+    g.param_bytes[[1, 2, 5]] = [6e9, 4e9, 2e9]  # embedding-like: many weights, little compute
+    g.fwd_flops[[1, 2, 5]] = [1e9, 3e9, 2e9]
+    g.bwd_flops[[1, 2, 5]] = [2e9, 6e9, 4e9]
+    topo = preset("dgx-a100-80g")
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=8, coarsen=False)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = hybrid_parallel_assignments(prep)
+    assign = starts["hybrid data x model parallel a100-80g x8"] // N_MODIFIERS
+    opts = prep.options
+    _, _, tau = single_device_times(prep)
+    whole = [v for v in range(8) if len(opts.groups[assign[v]]) == 1]
+    assert whole == [1, 2, 5]
+    for v in range(8):
+        sync = topo.collective_time("all_reduce", tuple(range(8)), float(g.param_bytes[v])) if g.param_bytes[v] else 0
+        assert (v in whole) == (sync > tau[v, 0] * (1 - 1 / 8))
+        if v not in whole:
+            assert opts.groups[assign[v]] == tuple(range(8)) and LAYOUTS[opts.layout[assign[v]]] == "batch_split"
+    devices = [opts.groups[assign[v]][0] for v in (2, 5, 1)]  # longest first: each on an empty device
+    assert len(set(devices)) == 3
+    env = PlacementEnv([Task(chain_graph(8, flops=2e12, batch_size=64), topo)], mode="refine", max_nodes=8,
+                       coarsen=False)
+    env.reset(seed=0)
+    assert hybrid_parallel_assignments(env.prepared) == {}  # no weights: all data parallel, nothing new
+
+
 def test_nearest_microbatch_choice_is_nearest_in_log_among_the_allowed():
     env = PlacementEnv(default_tasks("pcie-4gpu", names=["gpt-tiny"]), mode="refine", max_nodes=40)
     env.reset(seed=0)

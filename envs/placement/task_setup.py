@@ -554,7 +554,9 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """The refine start's candidates, one action per group: the reference plans expressed in the
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
-    its CPUs) and, where some group has weights, the same with ZeRO-1 and with ZeRO-3; Megatron-style
+    its CPUs) and, where some group has weights, the same with ZeRO-1 and with ZeRO-3, and with the groups
+    whose weights cost more to synchronise than they save kept whole on single devices
+    (:func:`hybrid_parallel_assignments`); Megatron-style
     tensor x data parallelism over all devices and each device kind's group (:func:`megatron_assignments`,
     one per tensor-parallel degree the table offers) and pipelines of such groups
     (:func:`staged_megatron_assignments`); and the groups on single devices: list-scheduled
@@ -565,6 +567,7 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     plans = reference_plans(prep.task.graph, prep.task)
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
+    out.update(hybrid_parallel_assignments(prep))
     out.update(megatron_assignments(prep))
     out.update(staged_megatron_assignments(prep))
     out.update(list_schedule_assignments(prep))
@@ -601,6 +604,47 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z], z, 0)
             if (zero != plain).any():
                 out[f"data parallel {kind} x{len(g)} zero-{stage}"] = zero
+    return out
+
+
+def hybrid_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """Hybrid data and model parallelism over each device kind's largest group of the table that the batch
+    splits over (Krizhevsky, "One weird trick for parallelizing convolutional neural networks", 2014;
+    DLRM's embedding tables, Naumov et al., 2019): a group whose gradient all-reduce over the group takes
+    longer than data parallelism saves of its compute (its roofline time x (1 - 1/dp)) — an embedding
+    table, a large fully-connected layer — stays whole on one device of the group, the longest first on
+    the device with the least work so far among those its model states fit; every other group is data
+    parallel over the group. None where every group or no group would be data parallel (the plain
+    data-parallel and single-device starts)."""
+    opts, look = prep.options, prep.options.lookup()
+    topo, graph = prep.task.topology, prep.graph
+    single, ok, tau = single_device_times(prep)
+    kinds: dict[str, list[int]] = {}
+    for d, dev in enumerate(topo.devices):
+        kinds.setdefault(dev.kind, []).append(d)
+    out = {}
+    for kind, members in kinds.items():
+        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)
+                  and prep.task.global_batch % len(g) == 0 and (g, "batch_split", len(g)) in look]
+        if not groups:
+            continue
+        g = max(groups, key=len)
+        o = look[(g, "batch_split", len(g))]
+        t = tau[:, g[0]]
+        sync = np.array([topo.collective_time("all_reduce", g, float(b)) if b > 0 else 0.0
+                         for b in graph.param_bytes.tolist()])
+        whole = (sync > t * (1.0 - 1.0 / len(g))) | ~prep.allowed[:, o]
+        if whole.all() or not whole.any():
+            continue
+        work, free = np.zeros(len(g)), prep.capacity[list(g)].astype(np.float64)
+        assign = np.full(graph.num_nodes, o * N_MODIFIERS, dtype=np.int64)
+        for v in sorted(np.flatnonzero(whole).tolist(), key=lambda v: (-t[v], v)):
+            fits = [i for i in range(len(g)) if ok[v, g[i]] and prep.states[v] <= free[i]]
+            i = min(fits or range(len(g)), key=lambda i: (work[i], i))
+            work[i] += t[v]
+            free[i] -= prep.states[v]
+            assign[v] = single[g[i]] * N_MODIFIERS
+        out[f"hybrid data x model parallel {kind} x{len(g)}"] = assign
     return out
 
 
