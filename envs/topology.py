@@ -550,6 +550,13 @@ class Topology:
     def aggregate_flops(self, dtype: str = "bf16") -> float:
         return float(sum(d.flops(dtype) for d in self.devices))
 
+    def devices_by_kind(self) -> dict[str, list[int]]:
+        """Device indices of each device kind, kinds in order of first appearance."""
+        kinds: dict[str, list[int]] = {}
+        for d, dev in enumerate(self.devices):
+            kinds.setdefault(dev.kind, []).append(d)
+        return kinds
+
     def hierarchy_groups(self) -> list[tuple[int, ...]]:
         """Device groups aligned with the hierarchy: each host's devices in powers of two, hosts, all
         (first-made order, no repeats; a set of the groups so far keeps it linear in their total size)."""

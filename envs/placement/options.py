@@ -166,9 +166,7 @@ def device_groups(topology: Topology, batch: int | None = None) -> list[tuple[in
     PyTorch DDP users run it; whole hosts first, so the last host gives up devices)."""
     groups = list(topology.hierarchy_groups())
     seen = set(groups)
-    kinds: dict[str, list[int]] = {}
-    for d, dev in enumerate(topology.devices):
-        kinds.setdefault(dev.kind, []).append(d)
+    kinds = topology.devices_by_kind()
     if len(kinds) > 1:
         for members in kinds.values():
             hosts = topology.hosts_of(members)

@@ -576,26 +576,29 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     return out
 
 
+def largest_group_of_each_kind(prep: PreparedTask) -> dict[str, tuple[int, ...]]:
+    """Each device kind's largest group of the placement table whose devices are all of that kind and
+    that the batch splits evenly over, the first in the table on ties (every group of two or more has a
+    ``batch_split`` row); the kind's first device alone when no group of two or more qualifies."""
+    out = {}
+    for kind, members in prep.task.topology.devices_by_kind().items():
+        mine = set(members)
+        out[kind] = max((g for g in prep.options.groups if set(g) <= mine and prep.task.global_batch % len(g) == 0),
+                        key=len)
+    return out
+
+
 def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """Data parallelism (``batch_split``) over each device kind's largest group of the table that the
     batch splits evenly over, groups that cannot split by samples on its first device; and that with
     ZeRO-1 (Megatron-LM's distributed optimizer) and with ZeRO-3 (FSDP) on every weighted group: where
     memory is tight, sharded optimizer states let larger microbatches fit."""
-    opts, look = prep.options, prep.options.lookup()
-    topo = prep.task.topology
-    kinds: dict[str, list[int]] = {}
-    for d, dev in enumerate(topo.devices):
-        kinds.setdefault(dev.kind, []).append(d)
+    look = prep.options.lookup()
     zeros = {stage: _MODIFIER_ID[(stage, "none", False)] for stage in (1, 3)}
     out = {}
-    for kind, members in kinds.items():
-        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)
-                  and prep.task.global_batch % len(g) == 0]
-        if not groups:
-            continue
-        g = max(groups, key=len)
+    for kind, g in largest_group_of_each_kind(prep).items():
         o = look.get((g, "batch_split", len(g)))
-        if o is None:
+        if len(g) < 2 or o is None:
             continue
         single = look[((g[0],), "single", 1)]
         plain = np.where(prep.allowed[:, o], o, single) * N_MODIFIERS
@@ -616,19 +619,13 @@ def hybrid_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     the device with the least work so far among those its model states fit; every other group is data
     parallel over the group. None where every group or no group would be data parallel (the plain
     data-parallel and single-device starts)."""
-    opts, look = prep.options, prep.options.lookup()
+    look = prep.options.lookup()
     topo, graph = prep.task.topology, prep.graph
     single, ok, tau = single_device_times(prep)
-    kinds: dict[str, list[int]] = {}
-    for d, dev in enumerate(topo.devices):
-        kinds.setdefault(dev.kind, []).append(d)
     out = {}
-    for kind, members in kinds.items():
-        groups = [g for g in opts.groups if len(g) > 1 and set(g) <= set(members)
-                  and prep.task.global_batch % len(g) == 0 and (g, "batch_split", len(g)) in look]
-        if not groups:
+    for kind, g in largest_group_of_each_kind(prep).items():
+        if len(g) < 2:
             continue
-        g = max(groups, key=len)
         o = look[(g, "batch_split", len(g))]
         t = tau[:, g[0]]
         sync = np.array([topo.collective_time("all_reduce", g, float(b)) if b > 0 else 0.0
@@ -793,23 +790,14 @@ def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     of the activations 1F1B keeps in flight. A group the table does not let split the batch there takes
     ``replicate`` over the stage's devices, else its first device alone (:func:`_group_action`)."""
     topo = prep.task.topology
-    kinds: dict[str, list[int]] = {}
-    for d, dev in enumerate(topo.devices):
-        kinds.setdefault(dev.kind, []).append(d)
+    kind_groups = largest_group_of_each_kind(prep)
     n = prep.graph.num_nodes
-    if len(kinds) < 2 or n < 2:
+    if len(kind_groups) < 2 or n < 2:
         return {}
     single, ok, tau = single_device_times(prep)
     look = prep.options.lookup()
-    stages = []  # (throughput, group) per kind that may hold every group
-    for members in kinds.values():
-        fitting = [g for g in prep.options.groups if set(g) <= set(members)
-                   and prep.task.global_batch % len(g) == 0 and (len(g) == 1 or (g, "batch_split", len(g)) in look)]
-        d0 = members[0]
-        if not fitting or not ok[:, d0].all():
-            continue
-        g = max(fitting, key=lambda x: (len(x), -x[0]))
-        stages.append((len(g) / tau[:, g[0]].sum(), g))
+    stages = [(len(g) / tau[:, g[0]].sum(), g) for g in kind_groups.values()  # (throughput, group)
+              if ok[:, g[0]].all()]  # kinds that may hold every group
     stages.sort(key=lambda st: -st[0])
     units = _PipelineUnits.of(prep, tau)
     out = {}
