@@ -1,8 +1,9 @@
 """Policy-guided search: simulated annealing whose moves the placement policy proposes.
 
 :func:`guided_search` anneals over plans on the *operator* graph exactly as ``agent.placers.search.mcmc``
-does (same energy, same temperature schedule and Metropolis acceptance, ``agent.placers.search.Annealing``, the same caching :class:`agent.placers.common.Scorer` and its evaluation
-count), but a fraction ``policy_fraction`` of the proposals comes from the policy instead of
+does (same energy, the same Metropolis acceptance and re-annealing, ``agent.placers.search.Annealing``,
+the same caching :class:`agent.placers.common.Scorer` and its evaluation count), but it starts cooler
+(:data:`T0`, :data:`HALF_LIFE`: see there) and a fraction ``policy_fraction`` of the proposals comes from the policy instead of
 ``agent.placers.search._propose``:
 
 1. **The policy's view of the current plan.** The plan is expressed as one action (placement x
@@ -46,7 +47,7 @@ without the memory and the fallback, about 15 rebuilt moves and one re-scored ro
 the search to 840 evaluations; with them it makes 6,066. The remaining ``1 - policy_fraction`` of the
 proposals are ``_propose``'s (block moves, microbatches, schedule, recomputation, ZeRO, sequence
 parallelism: the global knobs the refine policy never changes), so the chain can reach every plan
-plain MCMC can; with ``policy_fraction=0`` it *is* ``mcmc``'s trajectory for the same seed.
+plain MCMC can; with ``policy_fraction=0`` it *is* ``mcmc``'s trajectory for the same seed and schedule.
 
 Deterministic for a seed under an evaluation budget (one ``numpy`` Generator draws groups, options,
 the proposal kind and acceptances; the network runs without sampling). The result is never worse than
@@ -75,6 +76,15 @@ from envs.plan import SCHEDULES, Plan
 from envs.topology import Topology
 
 POLICY_FRACTION = 0.7  # share of proposals drawn from the policy (the rest: ordinary MCMC moves)
+# the annealing schedule: the search starts from the best of the policy's and the heuristics' plans, so it
+# starts cooler than MCMC from a heuristic (T0 0.05, half-life 150 evaluations). Measured with
+# experiments/bench_agent.py's (b) cases, 15 x seeds 0 and 1 from place's start: at 1/10 of MCMC's
+# 15-second evaluations, MCMC's 15-second value reached on 24 of 30 runs (21 with MCMC's schedule; T0 0.01
+# at half-life 150: 23, T0 0.003: 22), geometric mean of the values 0.992 of it (1.004); at place's own
+# evaluation counts, MCMC at equal evaluations matched on 28 of 30 (25), 0.983 of its values (0.986).
+# MCMC itself from the best heuristic does worse with this schedule (1.006 of its values, twotower#0 1.11)
+T0 = 0.01
+HALF_LIFE = 50.0
 GROUPS_PER_ROUND = 32  # groups scored by one batched forward pass
 UNTRIED_PLANS = 256  # plans whose scored groups and tried moves the proposer remembers
 
@@ -254,14 +264,15 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
                   seconds: float | None = None, evaluations: int | None = None,
                   policy_fraction: float = POLICY_FRACTION, groups_per_round: int = GROUPS_PER_ROUND,
                   max_groups: int | None = None, evaluator: CachedSimulation | None = None,
-                  uniform_moves: bool = False) -> GuidedResult:
+                  uniform_moves: bool = False, t0: float = T0, half_life: float = HALF_LIFE) -> GuidedResult:
     """Simulated annealing from ``start`` with policy-proposed moves (see the module docstring), until
     ``seconds`` of wall clock or ``evaluations`` simulator evaluations are spent (at least one given).
     ``max_groups``: the coarse groups the policy sees (default: the policy's padding). ``evaluator``:
     the caching evaluator to share (e.g. ``place``'s). ``uniform_moves``: an ablation, the same group
-    moves with every allowed option equally likely instead of the policy's distribution."""
+    moves with every allowed option equally likely instead of the policy's distribution. ``t0``,
+    ``half_life``: the temperature schedule (``agent.placers.search.Annealing``)."""
     budget = _budget(seconds, evaluations, policy_fraction, groups_per_round)
-    t0 = time.perf_counter()
+    began = time.perf_counter()
     scorer = Scorer(graph, topology, objective, budget)
     if evaluator is not None:
         scorer.evaluator = evaluator  # the caller's cache; the Scorer still counts only new simulations
@@ -280,7 +291,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     best, best_out, cur_e = cur, cur_out, energy(cur_out)
     curve = [(scorer.evaluations, best_out.value)]
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
-    anneal = Annealing()
+    anneal = Annealing(t0=t0, half_life=half_life)
     tries = 0
     while scorer.searching(tries):
         tries += 1
@@ -311,7 +322,7 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
             curve.append((scorer.evaluations, best_out.value))
     counts["setup"] = proposer.coarse_evaluations if proposer is not None else 0
     counts["reheats"] = anneal.reheats
-    return _result(best, best_out, scorer, seed, curve, counts, note, time.perf_counter() - t0)
+    return _result(best, best_out, scorer, seed, curve, counts, note, time.perf_counter() - began)
 
 
 def digest(plan: Plan) -> bytes:

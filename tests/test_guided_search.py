@@ -58,11 +58,36 @@ def test_time_budget_is_respected(task):
 
 
 def test_without_the_policy_it_is_mcmc(task):
+    from agent.guided_search import HALF_LIFE, T0
     from agent.placers.search import mcmc
 
     res = _search(task, seed=2, evaluations=50, policy_fraction=0.0)
-    plain = mcmc(task["graph"], task["topology"], seed=2, budget=50, start=task["start"].plan.copy())
+    plain = mcmc(task["graph"], task["topology"], seed=2, budget=50, start=task["start"].plan.copy(),
+                 t0=T0, half_life=HALF_LIFE)
     assert res.plan.key() == plain.key() and res.policy_proposals == 0
+
+
+def test_it_anneals_cooler_than_mcmc(task, monkeypatch):
+    """The search starts from the best plan place has, so its chain starts cooler and cools faster than
+    MCMC's from a heuristic; its schedule is its own (t0, half_life), the rest of MCMC's Annealing."""
+    import agent.guided_search as gs
+    import agent.placers.search as search
+
+    made = []
+
+    class Recording(search.Annealing):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(gs, "Annealing", Recording)
+    _search(task, seed=0, evaluations=5)
+    (a,) = made
+    assert gs.T0 < search.T0 and gs.HALF_LIFE < search.HALF_LIFE
+    assert a.temperature(0) == gs.T0 and a.temperature(gs.HALF_LIFE) == pytest.approx(gs.T0 / 2)
+    assert a.stall == search.STALL
+    _search(task, seed=0, evaluations=5, t0=0.2, half_life=10.0)
+    assert made[1].temperature(10) == pytest.approx(0.1)
 
 
 def test_policy_moves_are_proposed_once_per_plan_and_scored_once(task, monkeypatch):

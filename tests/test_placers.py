@@ -201,6 +201,8 @@ def test_annealing_reheats_a_chain_that_stalls():
     hot, cold = Annealing(stall=0), Annealing(stall=0)  # Metropolis: worse moves pass when hot, not when cold
     assert sum(hot.accept(0.01, 0.0, 0, np.random.default_rng(i)) for i in range(200)) > 100
     assert sum(cold.accept(0.01, 0.0, 5000, np.random.default_rng(i)) for i in range(200)) == 0
+    own = Annealing(stall=0, t0=0.2, half_life=10.0)  # a schedule of its own (the guided search's)
+    assert own.temperature(0) == 0.2 and own.temperature(20) == pytest.approx(0.05)
 
 
 def test_a_reheated_mcmc_chain_still_never_gets_worse_with_budget(tiny_gpt, monkeypatch):

@@ -202,22 +202,23 @@ def random_search(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=N
 
 # ---------------------------------------------------------------------- MCMC
 class Annealing:
-    """The chain's temperature and Metropolis acceptance: ``T = max(T0 * 2^(-(k - k0) / HALF_LIFE), T_MIN)``
-    at evaluation ``k``, reheated (``k0 = k``) after ``stall`` evaluations without a new best plan —
+    """The chain's temperature and Metropolis acceptance: ``T = max(t0 * 2^(-(k - k0) / half_life), T_MIN)``
+    at evaluation ``k`` (``t0``, ``half_life``: MCMC's :data:`T0`, :data:`HALF_LIFE` unless given), reheated (``k0 = k``) after ``stall`` evaluations without a new best plan —
     simulated re-annealing (Ingber, "Very fast simulated re-annealing", Math. Comput. Modelling 12, 1989):
     a frozen chain on a long budget otherwise only descends greedily from the local minimum it is in.
     ``stall`` defaults to :data:`STALL` (measured: 1,000 evaluations beat 500 and never reheating over the
     agent benchmark's 15 cases x 2 seeds at 6,000 evaluations: 0.992 and 1.007 of the unreheated times;
     500 keeps a chain whose start is a strong local minimum too hot to ever descend below it)."""
 
-    def __init__(self, stall: int | None = None):
+    def __init__(self, stall: int | None = None, t0: float = T0, half_life: float = HALF_LIFE):
         self.stall = STALL if stall is None else int(stall)
+        self.t0, self.half_life = float(t0), float(half_life)
         self.k0 = 0  # the evaluation of the last reheat
         self.last_best = 0  # the evaluation of the last new best plan
         self.reheats = 0
 
     def temperature(self, k: int) -> float:
-        return max(T0 * 2.0 ** (-(k - self.k0) / HALF_LIFE), T_MIN)
+        return max(self.t0 * 2.0 ** (-(k - self.k0) / self.half_life), T_MIN)
 
     def accept(self, e: float, cur_e: float, k: int, rng: np.random.Generator) -> bool:
         """Metropolis: a proposal of energy ``e`` from ``cur_e`` after ``k`` evaluations (the chain is
@@ -361,10 +362,12 @@ def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) 
 
 
 def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, objective: str = "step_time",
-         start: Plan | None = None, on_improve: Callable[[int, float], None] | None = None) -> Plan:
+         start: Plan | None = None, on_improve: Callable[[int, float], None] | None = None,
+         t0: float = T0, half_life: float = HALF_LIFE) -> Plan:
     """Simulated annealing / MCMC over plans (see module docstring) under ``budget`` (default 600
     evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``); ``on_improve``
-    hears (evaluations so far, best value) at every improvement: the search curve."""
+    hears (evaluations so far, best value) at every improvement: the search curve. ``t0``, ``half_life``:
+    the temperature schedule (:class:`Annealing`)."""
     init = start if start is not None else initial_plan(graph, topology, objective, seed)
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET), on_improve=on_improve)
     space = PlanSpace(graph, topology, init.global_batch)
@@ -376,7 +379,7 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     cur_e = energy(cur_out)
     best, best_out = cur, cur_out
     accepted = proposals = 0
-    anneal = Annealing()
+    anneal = Annealing(t0=t0, half_life=half_life)
     while scorer.searching(proposals):
         proposals += 1
         cand = _propose(space, cur, rng)
