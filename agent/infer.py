@@ -285,17 +285,6 @@ def rollout(model, env, task, *, deterministic: bool, rng: np.random.Generator |
     return rollouts(model, [env], task, [deterministic], rng)[0]
 
 
-def trim_padding(obs: dict[str, np.ndarray], dynamic_only: bool = False) -> dict[str, np.ndarray]:
-    """Drop the padded node, edge, device and placement slots of one observation (the GNN needs none of
-    them; padded placements are the last ones, so the action indices of the others are unchanged and the
-    logits simply end earlier), by each key's declared axes
-    (:data:`envs.placement.observation.OBSERVATION`). ``dynamic_only``: only the
-    :data:`~envs.placement.observation.DYNAMIC_KEYS` (the keys that change during an episode)."""
-    from envs.placement.observation import DYNAMIC_KEYS
-
-    return trim_to(obs, padding_sizes(obs), DYNAMIC_KEYS if dynamic_only else obs)
-
-
 def padding_sizes(obs: dict[str, np.ndarray]) -> dict[str, int]:
     """The used (unpadded) size of each axis of one observation (its node, edge, device and option masks:
     static keys, the same for the whole task)."""
@@ -308,7 +297,10 @@ def padding_sizes(obs: dict[str, np.ndarray]) -> dict[str, int]:
 
 
 def trim_to(obs: dict[str, np.ndarray], sizes: dict[str, int], keys) -> dict[str, np.ndarray]:
-    """``obs[k]`` for ``k`` in ``keys`` cut to :func:`padding_sizes` ``sizes`` along its declared axes."""
+    """``obs[k]`` for ``k`` in ``keys`` cut to :func:`padding_sizes` ``sizes`` along its declared axes
+    (:data:`envs.placement.observation.OBSERVATION`): the padded node, edge, device and placement slots
+    go (the GNN needs none of them; padded placements are the last ones, so the action indices of the
+    others are unchanged and the logits simply end earlier)."""
     from envs.placement.observation import OBSERVATION
 
     return {k: obs[k][tuple(slice(sizes.get(axis)) for axis in OBSERVATION[k].shape)] for k in keys}

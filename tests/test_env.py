@@ -507,10 +507,13 @@ def test_shipped_policy_was_trained_on_this_observation_space():
     assert model.action_space == env.action_space
 
 
-def test_trim_padding_follows_the_declared_axes(small_tasks):
-    """The rollouts drop padded node / edge / device / placement slots and, for the per-step batch, keep
-    exactly the dynamic keys."""
-    from agent.infer import trim_padding
+def test_trimming_follows_the_declared_axes(small_tasks):
+    """The rollouts drop padded node / edge / device / placement slots (padded placements are the last
+    ones, so the action indices of the others are unchanged) by each key's declared axes."""
+    from agent.infer import padding_sizes, trim_to
+
+    def trim_padding(obs, dynamic_only=False):
+        return trim_to(obs, padding_sizes(obs), DYNAMIC_KEYS if dynamic_only else obs)
 
     env = PlacementEnv(small_tasks[:1], max_nodes=64, max_devices=16)
     obs, info = env.reset(seed=0)
