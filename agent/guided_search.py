@@ -270,8 +270,10 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     ``max_groups``: the coarse groups the policy sees (default: the policy's padding). ``evaluator``:
     the caching evaluator to share (e.g. ``place``'s). ``uniform_moves``: an ablation, the same group
     moves with every allowed option equally likely instead of the policy's distribution. ``t0``,
-    ``half_life``: the temperature schedule (``agent.placers.search.Annealing``)."""
+    ``half_life``: the temperature schedule (``agent.placers.search.Annealing``; a value that is not a finite
+    number > 0 raises its ``PlacerError``)."""
     budget = _budget(seconds, evaluations, policy_fraction, groups_per_round)
+    anneal = Annealing(t0=t0, half_life=half_life)
     began = time.perf_counter()
     scorer = Scorer(graph, topology, objective, budget)
     if evaluator is not None:
@@ -291,7 +293,6 @@ def guided_search(model, graph: OpGraph, topology: Topology, objective: str, sta
     best, best_out, cur_e = cur, cur_out, energy(cur_out)
     curve = [(scorer.evaluations, best_out.value)]
     counts = {"policy": 0, "mcmc": 0, "accepted": 0}
-    anneal = Annealing(t0=t0, half_life=half_life)
     tries = 0
     while scorer.searching(tries):
         tries += 1

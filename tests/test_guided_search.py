@@ -88,6 +88,12 @@ def test_it_anneals_cooler_than_mcmc(task, monkeypatch):
     assert a.stall == search.STALL
     _search(task, seed=0, evaluations=5, t0=0.2, half_life=10.0)
     assert made[1].temperature(10) == pytest.approx(0.1)
+    from agent.placers.common import PlacerError
+
+    ev = CachedSimulation()
+    with pytest.raises(PlacerError, match="annealing needs"):
+        _search(task, seed=0, evaluations=5, t0=0.0, evaluator=ev)
+    assert ev.misses == 0  # refused before any simulation
 
 
 def test_policy_moves_are_proposed_once_per_plan_and_scored_once(task, monkeypatch):

@@ -203,6 +203,11 @@ def test_annealing_reheats_a_chain_that_stalls():
     assert sum(cold.accept(0.01, 0.0, 5000, np.random.default_rng(i)) for i in range(200)) == 0
     own = Annealing(stall=0, t0=0.2, half_life=10.0)  # a schedule of its own (the guided search's)
     assert own.temperature(0) == 0.2 and own.temperature(20) == pytest.approx(0.05)
+    from agent.placers.common import PlacerError
+
+    for bad in ({"t0": 0.0}, {"t0": -1.0}, {"half_life": 0.0}, {"t0": float("nan")}, {"half_life": float("inf")}):
+        with pytest.raises(PlacerError, match="annealing needs"):
+            Annealing(**bad)
 
 
 def test_a_reheated_mcmc_chain_still_never_gets_worse_with_budget(tiny_gpt, monkeypatch):

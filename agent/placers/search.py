@@ -211,6 +211,8 @@ class Annealing:
     500 keeps a chain whose start is a strong local minimum too hot to ever descend below it)."""
 
     def __init__(self, stall: int | None = None, t0: float = T0, half_life: float = HALF_LIFE):
+        if not (math.isfinite(t0) and t0 > 0 and math.isfinite(half_life) and half_life > 0):
+            raise PlacerError(f"annealing needs a finite t0 > 0 and half_life > 0, got t0={t0}, half_life={half_life}")
         self.stall = STALL if stall is None else int(stall)
         self.t0, self.half_life = float(t0), float(half_life)
         self.k0 = 0  # the evaluation of the last reheat
@@ -368,6 +370,7 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     evaluations / 60 s, not counting the fixed-size heuristic runs that choose ``start``); ``on_improve``
     hears (evaluations so far, best value) at every improvement: the search curve. ``t0``, ``half_life``:
     the temperature schedule (:class:`Annealing`)."""
+    anneal = Annealing(t0=t0, half_life=half_life)
     init = start if start is not None else initial_plan(graph, topology, objective, seed)
     scorer = Scorer(graph, topology, objective, Budget.of(budget, DEFAULT_BUDGET), on_improve=on_improve)
     space = PlanSpace(graph, topology, init.global_batch)
@@ -379,7 +382,6 @@ def mcmc(graph: OpGraph, topology: Topology, *, seed: int = 0, budget=None, obje
     cur_e = energy(cur_out)
     best, best_out = cur, cur_out
     accepted = proposals = 0
-    anneal = Annealing(t0=t0, half_life=half_life)
     while scorer.searching(proposals):
         proposals += 1
         cand = _propose(space, cur, rng)
