@@ -175,7 +175,7 @@ class ExpertIterationSection(Section):
     distill_on_policy_states: bool = True
     ppo_steps: Count = 16384  # per round
     eval_samples: Count = 8  # held-out zero-shot: greedy + this many samples
-    train_eval_tasks: Count = 16  # training tasks the per-round "vs best known" ratio is measured on
+    train_eval_tasks: Count = 16  # training tasks the per-round zero-shot ratio (vs their best heuristic) is measured on
     # members of the trained families never trained on (agent.distribution.draw_validation): the final
     # model.zip is the policy (initial one included) with the best zero-shot ratio on them; 0: the last round's
     validation_tasks: Count = 4

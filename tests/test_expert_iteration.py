@@ -68,6 +68,14 @@ def test_two_rounds_grow_the_dataset_and_report_per_round(run):
     assert 0 < report["targets_vs_best"] <= 1.0 + 1e-9
     assert res.model_path.exists() and (d / "checkpoints" / "round_1_ppo.zip").exists()
     assert np.isfinite(report["validation_geomean"]) and report["validation_geomean"] > 0
+    # the training tasks' ratio is the held-out one's (vs each task's best heuristic, a fixed denominator), on
+    # the first train_eval_tasks training tasks, by the policy that round evaluated
+    from agent.expert_iteration import zero_shot
+    from agent.infer import load_policy
+
+    seen = zero_shot(load_policy(str(d / "checkpoints" / "round_1_ppo.zip")), ds, [best[i] for i in ids["train"][:2]],
+                     samples=1, seed=CONFIG["seed"])
+    assert report["train_geomean"] == pytest.approx(seen["geomean"], rel=1e-9)
 
 
 def test_model_zip_is_the_policy_that_validates_best(run):
