@@ -167,6 +167,10 @@ class ExpertIterationSection(Section):
     target_evaluations: Count = 1000  # round 0: search in the environment's action space from the expressed best
     policy_evaluations: Count = 1000  # rounds > 0: the same search, from the best of the policy's plans too
     policy_samples: Count = 4  # sampled rollouts beside the greedy one when seeding the search
+    # the target searches' annealing schedule (agent.guided_search: T0 in log step time, half-life in
+    # evaluations); None: the guided search's own. A config pins it to keep reproducing what it trained
+    target_t0: Annotated[Number, Field(gt=0)] | None = None
+    target_half_life: Annotated[Number, Field(gt=0)] | None = None
     distill_epochs: PositiveInt = 8
     distill_batch_size: PositiveInt = 256
     distill_learning_rate: Number = Field(BC_LEARNING_RATE, gt=0)

@@ -112,6 +112,8 @@ class TargetJob:
     uniform: bool  # round 0: the untrained policy's moves are drawn uniformly
     seed: int
     round: int
+    t0: float | None = None  # the search's annealing schedule; None: the guided search's own
+    half_life: float | None = None
 
 
 def find_target(job: TargetJob) -> dict:
@@ -151,7 +153,7 @@ def find_target(job: TargetJob) -> dict:
     if job.evaluations > 0:
         found = guided_search(model, task.graph, task.topology, objective, start, seed=job.seed,
                               evaluations=job.evaluations, policy_fraction=1.0, uniform_moves=job.uniform,
-                              evaluator=ev)
+                              evaluator=ev, **schedule(job.t0, job.half_life))
         curve = [[int(n), float(v) / key[1]] for n, v in found.curve]  # best / start value over evaluations
         if (found.oom, found.value) < key:
             key, start, source = (found.oom, found.value), found.plan, f"action-space search round {job.round}"
@@ -168,6 +170,11 @@ def find_target(job: TargetJob) -> dict:
                    evaluations=int(job.evaluations), seconds=round(time.perf_counter() - t0, 3), seed=int(job.seed))
         out["row"] = row
     return out
+
+
+def schedule(t0: float | None, half_life: float | None) -> dict:
+    """The guided search's annealing keywords a config sets (unset ones keep the search's defaults)."""
+    return {k: float(v) for k, v in (("t0", t0), ("half_life", half_life)) if v is not None}
 
 
 def simplest(prep, plan, key: tuple[bool, float], evaluator, objective: str):
@@ -229,7 +236,8 @@ class Targets:
 
 def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path: Path, r: int, *, samples: int,
                  evaluations: int, seed: int, executor=None, progress: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, t0: float | None = None,
+                 half_life: float | None = None) -> dict:
     """Round ``r``'s target search over ``task_ids``; better targets are appended to ``targets``, plans
     that beat the dataset's best to the dataset. Resumable: a task whose round-r search finished has a
     line in ``search_round_<r>.txt``. Returns counts."""
@@ -242,7 +250,8 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
     best, tbest = dataset.best(), targets.best()
     todo = [t for t in task_ids if t not in done]
     jobs = [TargetJob(row=best[t], target=tbest.get(t), dataset=str(dataset.path), policy=str(policy_path),
-                      samples=samples, evaluations=evaluations, uniform=r == 0, seed=seed + i, round=r)
+                      samples=samples, evaluations=evaluations, uniform=r == 0, seed=seed + i, round=r,
+                      t0=t0, half_life=half_life)
             for i, t in enumerate(todo)]
     counts: dict = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
     curves: list = []
@@ -390,7 +399,8 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                 stats = search_round(dataset, targets, ids["train"], path, r,
                                      samples=ei.policy_samples if r > 0 else 0,
                                      evaluations=ei.policy_evaluations if r > 0 else ei.target_evaluations,
-                                     seed=cfg.seed + 1000 * r, executor=executor, progress=progress, log=log)
+                                     seed=cfg.seed + 1000 * r, executor=executor, progress=progress, log=log,
+                                     t0=ei.target_t0, half_life=ei.target_half_life)
                 state.mark(r, "search", None, stats)
             tbest = targets.best()
             goal = {tasks[i].name: tbest[tid] for i, tid in enumerate(ids["train"]) if tid in tbest}

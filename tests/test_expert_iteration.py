@@ -4,6 +4,7 @@ two-round run end to end, its resume, the dataset it grows, and bad configs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,35 @@ def test_two_rounds_grow_the_dataset_and_report_per_round(run):
     seen = zero_shot(load_policy(str(d / "checkpoints" / "round_1_ppo.zip")), ds, [best[i] for i in ids["train"][:2]],
                      samples=1, seed=CONFIG["seed"])
     assert report["train_geomean"] == pytest.approx(seen["geomean"], rel=1e-9)
+
+
+def test_the_target_searches_anneal_on_the_configs_schedule(run, monkeypatch):
+    """``expert_iteration.target_t0`` / ``target_half_life`` reach the target search (unset: the guided
+    search's own schedule); the shipped policy's config pins the schedule it was trained with; a schedule
+    that is not a finite number > 0 is refused when the config loads."""
+    import agent.guided_search as gs
+    from agent.dataset import Dataset
+    from agent.expert_iteration import TargetJob, find_target
+    from agent.placers.search import HALF_LIFE, T0
+
+    d, _ = run
+    seen = []
+    real = gs.guided_search
+    monkeypatch.setattr(gs, "guided_search", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    ids = json.loads((d / "tasks.json").read_text())
+    row = Dataset.open(d / "dataset").best()[ids["train"][0]]
+    for t0, half_life in ((None, None), (0.05, 150.0)):
+        find_target(TargetJob(row=row, target=None, dataset=str(d / "dataset"), policy=str(d / "model.zip"),
+                              samples=0, evaluations=5, uniform=False, seed=0, round=1, t0=t0, half_life=half_life))
+    assert [(kw.get("t0"), kw.get("half_life")) for kw in seen] == [(None, None), (0.05, 150.0)]
+    ei = load_config(Path(__file__).parents[1] / "experiments" / "configs" / "pretrained.yaml").spec.expert_iteration
+    assert (ei.target_t0, ei.target_half_life) == (T0, HALF_LIFE)
+    assert load_config(dict(CONFIG)).spec.expert_iteration.target_t0 is None
+    for bad in (0, -0.1, float("nan"), float("inf"), "hot"):
+        raw = json.loads(json.dumps(CONFIG))
+        raw["expert_iteration"]["target_t0"] = bad
+        with pytest.raises(TrainError, match="target_t0"):
+            load_config(raw)
 
 
 def test_model_zip_is_the_policy_that_validates_best(run):
