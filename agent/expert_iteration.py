@@ -10,9 +10,10 @@ families x sizes x random clusters, :mod:`agent.distribution`) trains like this,
                 heuristics only, per held-out task                   (the zero-shot yardstick)
     for round r = 0 .. rounds-1:
         targets:  per training task, the best plan the policy's environment can express: the dataset's
-                  best plan replayed in it, the current target, in rounds > 0 the policy's plans (greedy +
-                  samples), then a search from the best of them with group moves in the action space (the
-                  policy's moves; uniform ones in round 0); a plan beating the dataset's best is a new row
+                  best plan replayed in it, the current target, the policy's plans (greedy + samples),
+                  then a search from the best of them with group moves in the action space (the policy's
+                  moves); in round 0 of a fresh network, without its plans and with uniform moves; a plan
+                  beating the dataset's best is a new row
         distil:   replay every task's target in the environment and behaviour-clone the whole decision
                   sequence (agent.imitation; cross-entropy + value regression); with
                   ``distill_on_policy_states``, also the target's actions on the states of the policy's
@@ -107,9 +108,10 @@ class TargetJob:
     target: dict | None  # its current target, if any
     dataset: str
     policy: str
-    samples: int  # the policy's sampled rollouts beside the greedy one (rounds > 0)
+    samples: int  # the policy's sampled rollouts beside the greedy one (when not ``uniform``)
     evaluations: int  # the search's simulator evaluations
-    uniform: bool  # round 0: the untrained policy's moves are drawn uniformly
+    # round 0 from a fresh network: its plans are not candidates and its moves are drawn uniformly
+    uniform: bool
     seed: int
     round: int
     t0: float | None = None  # the search's annealing schedule; None: the guided search's own
@@ -120,7 +122,7 @@ def find_target(job: TargetJob) -> dict:
     """The task's new target and dataset row (each None when not better than the current one).
 
     Candidates: the dataset's best plan replayed in the policy's environment (the nearest plan the
-    environment expresses), the current target, and in rounds > 0 the policy's plans (greedy + samples);
+    environment expresses), the current target, and the policy's plans (greedy + samples) unless ``uniform``;
     from the best of them, the guided search with only group moves in the environment's action space
     (``policy_fraction=1``: every plan it visits stays expressible). A target beats another by (out of
     memory, value); a plan that beats the dataset's best also becomes a dataset row."""
@@ -143,7 +145,7 @@ def find_target(job: TargetJob) -> dict:
     if job.target is not None:
         cands.append(((bool(job.target["oom"]), float(job.target["value"])), Plan.from_dict(job.target["plan"]),
                       job.target["source"]))
-    if job.round > 0:
+    if not job.uniform:
         res = place(task.graph, task.topology, model=model, objective=objective, samples=job.samples, seed=job.seed,
                     baselines=False)
         pol = min(res.candidates, key=Candidate.key)
@@ -237,10 +239,12 @@ class Targets:
 def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path: Path, r: int, *, samples: int,
                  evaluations: int, seed: int, executor=None, progress: bool = True,
                  log: Callable[[str], None] = print, t0: float | None = None,
-                 half_life: float | None = None) -> dict:
+                 half_life: float | None = None, seeded: bool = False) -> dict:
     """Round ``r``'s target search over ``task_ids``; better targets are appended to ``targets``, plans
-    that beat the dataset's best to the dataset. Resumable: a task whose round-r search finished has a
-    line in ``search_round_<r>.txt``. Returns counts."""
+    that beat the dataset's best to the dataset. Round 0 searches with uniform moves and without the
+    policy's plans unless ``seeded`` (the policy is a trained one, ``--init``); ``t0`` / ``half_life``:
+    the searches' annealing schedule (None: the guided search's). Resumable: a task whose round-r search
+    finished has a line in ``search_round_<r>.txt``. Returns counts."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from agent.scale import Executor
@@ -250,7 +254,7 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
     best, tbest = dataset.best(), targets.best()
     todo = [t for t in task_ids if t not in done]
     jobs = [TargetJob(row=best[t], target=tbest.get(t), dataset=str(dataset.path), policy=str(policy_path),
-                      samples=samples, evaluations=evaluations, uniform=r == 0, seed=seed + i, round=r,
+                      samples=samples, evaluations=evaluations, uniform=r == 0 and not seeded, seed=seed + i, round=r,
                       t0=t0, half_life=half_life)
             for i, t in enumerate(todo)]
     counts: dict = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
@@ -388,6 +392,11 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
                        {**_validate(model, dataset, validation, ei, cfg.seed), "given": bool(initial_given)})
             log(f"initial policy: validation zero-shot geo-mean {state.stats(INITIAL, 'validate')['geomean']:.3f} "
                 f"on {len(validation)} task(s)")
+        # a trained initial policy (--init) seeds round 0's searches as each round's policy seeds the next:
+        # its own plans are candidate targets and its moves guide the search. Unseeded, round 0 taught a
+        # trained policy plans worse than its own (twotower, experiments/configs/target_c.yaml: 8 of 16
+        # round-0 targets slower than the shipped policy's plans, geo-mean 0.990 of them)
+        seeded = bool(state.stats(INITIAL, "validate").get("given", initial_given))
         longest = 0.0  # the longest round of this process so far: a round that would overrun is not started
         for r in range(int(ei.rounds)):
             if deadline is not None and time.perf_counter() + longest > deadline and not state.done(r, "logged"):
@@ -397,10 +406,10 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
             if not state.done(r, "search"):
                 path = _checkpoint(model, run, r, "search-start")
                 stats = search_round(dataset, targets, ids["train"], path, r,
-                                     samples=ei.policy_samples if r > 0 else 0,
+                                     samples=ei.policy_samples if r > 0 or seeded else 0,
                                      evaluations=ei.policy_evaluations if r > 0 else ei.target_evaluations,
                                      seed=cfg.seed + 1000 * r, executor=executor, progress=progress, log=log,
-                                     t0=ei.target_t0, half_life=ei.target_half_life)
+                                     t0=ei.target_t0, half_life=ei.target_half_life, seeded=seeded)
                 state.mark(r, "search", None, stats)
             tbest = targets.best()
             goal = {tasks[i].name: tbest[tid] for i, tid in enumerate(ids["train"]) if tid in tbest}

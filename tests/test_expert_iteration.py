@@ -108,6 +108,34 @@ def test_the_target_searches_anneal_on_the_configs_schedule(run, monkeypatch):
             load_config(raw)
 
 
+def test_a_given_policy_seeds_round_0(run, tmp_path, monkeypatch):
+    """From a trained policy (``--init``), round 0's targets are found as later rounds' are: from the best
+    of the policy's own plans too, with its moves (not uniform ones), so no target is slower than the plan
+    the initial policy places by itself."""
+    import agent.expert_iteration as ei_mod
+    from agent.dataset import Dataset
+    from agent.infer import Candidate, load_policy, place
+
+    d, res = run
+    jobs = []
+    real = ei_mod.find_target
+    monkeypatch.setattr(ei_mod, "find_target", lambda job: jobs.append(job) or real(job))
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["expert_iteration"].update(rounds=1, ppo_steps=0)
+    out = tmp_path / "seeded"
+    train(load_config(cfg), run_dir=out, progress=False, log=None, init_weights=res.model_path)
+    assert jobs and all(not j.uniform and j.samples == CONFIG["expert_iteration"]["policy_samples"] for j in jobs)
+    initial = load_policy(str(res.model_path))
+    ds = Dataset.open(out / "dataset")
+    targets = [json.loads(x) for x in (out / "targets.jsonl").read_text().splitlines()]
+    seeds = {j.row["task_id"]: j.seed for j in jobs}
+    for t in targets:
+        task = ds.task(ds.best()[t["task_id"]])
+        own = min(place(task.graph, task.topology, model=initial, samples=jobs[0].samples, seed=seeds[t["task_id"]],
+                        baselines=False).candidates, key=Candidate.key)
+        assert (t["oom"], t["value"]) <= (own.oom, own.value * (1 + 1e-9))
+
+
 def test_model_zip_is_the_policy_that_validates_best(run):
     """model.zip is the checkpoint (the initial policy's included) with the best validation ratio."""
     import torch as th
