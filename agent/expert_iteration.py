@@ -59,6 +59,11 @@ from envs.errors import RlplaceError
 from envs.files import atomic_write_json
 
 PHASES = ("search", "distill", "ppo", "evaluate", "validate", "logged")
+# a target is a plan as the policy's environment expresses it (replayed), not as place found it: place's
+# plans may split a group the environment places as one (a twotower task's best replayed at 0.909 of its
+# time), and a target valued at a plan the clone cannot follow taught it the slower replay. The policy's
+# best few plans are replayed, as the best one need not replay best
+EXPRESSED_CANDIDATES = 3
 INITIAL = -1  # the round index of the initial policy's validation
 
 
@@ -121,17 +126,16 @@ class TargetJob:
 def find_target(job: TargetJob) -> dict:
     """The task's new target and dataset row (each None when not better than the current one).
 
-    Candidates: the dataset's best plan replayed in the policy's environment (the nearest plan the
-    environment expresses), the current target, and the policy's plans (greedy + samples) unless ``uniform``;
+    Candidates, each replayed in the policy's environment (the nearest plan the environment expresses,
+    valued as replayed): the dataset's best plan, the current target, and unless ``uniform`` the policy's
+    best :data:`EXPRESSED_CANDIDATES` plans (greedy + samples);
     from the best of them, the guided search with only group moves in the environment's action space
     (``policy_fraction=1``: every plan it visits stays expressible). A target beats another by (out of
     memory, value); a plan that beats the dataset's best also becomes a dataset row."""
     from agent.dataset import Dataset, _scrub
     from agent.guided_search import guided_search
-    from agent.imitation import replay
-    from agent.infer import Candidate, cached_policy, place, policy_env
+    from agent.infer import cached_policy, policy_env
     from envs.evaluator import CachedSimulation
-    from envs.plan import Plan
 
     t0 = time.perf_counter()
     ds = Dataset(path=Path(job.dataset))
@@ -140,17 +144,7 @@ def find_target(job: TargetJob) -> dict:
     model = cached_policy(job.policy)
     ev = CachedSimulation(cache_size=4096)
     env, _, _ = policy_env(model, task, objective, None, ev)
-    demo = replay(env, task, ds.plan(job.row))
-    cands = [((demo.oom, demo.replay_time), demo.plan, f"expressed {job.row['source']}")]
-    if job.target is not None:
-        cands.append(((bool(job.target["oom"]), float(job.target["value"])), Plan.from_dict(job.target["plan"]),
-                      job.target["source"]))
-    if not job.uniform:
-        res = place(task.graph, task.topology, model=model, objective=objective, samples=job.samples, seed=job.seed,
-                    baselines=False)
-        pol = min(res.candidates, key=Candidate.key)
-        cands.append((pol.key(), pol.plan, f"policy round {job.round}"))
-    key, start, source = min(cands, key=lambda c: c[0])
+    key, start, source = min(target_candidates(env, task, job, ds.plan(job.row), model), key=lambda c: c[0])
     curve: list = []
     if job.evaluations > 0:
         found = guided_search(model, task.graph, task.topology, objective, start, seed=job.seed,
@@ -172,6 +166,29 @@ def find_target(job: TargetJob) -> dict:
                    evaluations=int(job.evaluations), seconds=round(time.perf_counter() - t0, 3), seed=int(job.seed))
         out["row"] = row
     return out
+
+
+def target_candidates(env, task, job: TargetJob, best_plan, model) -> list[tuple[tuple[bool, float], object, str]]:
+    """(key, plan, source) of :func:`find_target`'s candidates: each plan replayed in the policy's
+    environment ``env`` and valued as replayed (the dataset's best ``best_plan``, the current target, and
+    unless ``job.uniform`` the policy's best :data:`EXPRESSED_CANDIDATES` plans)."""
+    from agent.imitation import replay
+    from agent.infer import Candidate, place
+    from envs.plan import Plan
+
+    def expressed(plan: Plan, source: str) -> tuple:
+        shown = replay(env, task, plan)
+        return (shown.oom, shown.replay_time), shown.plan, source
+
+    cands = [expressed(best_plan, f"expressed {job.row['source']}")]
+    if job.target is not None:
+        cands.append(expressed(Plan.from_dict(job.target["plan"]), job.target["source"]))
+    if not job.uniform:
+        res = place(task.graph, task.topology, model=model, objective=job.row["objective"], samples=job.samples,
+                    seed=job.seed, baselines=False)
+        cands += [expressed(c.plan, f"policy round {job.round}")
+                  for c in sorted(res.candidates, key=Candidate.key)[:EXPRESSED_CANDIDATES]]
+    return cands
 
 
 def schedule(t0: float | None, half_life: float | None) -> dict:
@@ -651,4 +668,4 @@ def _curve_figure(curves: list, r: int):
 
 
 __all__ = ["expert_iteration", "IterationResult", "IterationState", "TargetJob", "Targets", "find_target",
-           "search_round", "zero_shot", "distil", "improve", "placeable", "selected"]
+           "search_round", "target_candidates", "zero_shot", "distil", "improve", "placeable", "selected"]

@@ -114,7 +114,9 @@ def test_a_given_policy_seeds_round_0(run, tmp_path, monkeypatch):
     the initial policy places by itself."""
     import agent.expert_iteration as ei_mod
     from agent.dataset import Dataset
-    from agent.infer import Candidate, load_policy, place
+    from agent.imitation import replay
+    from agent.infer import Candidate, load_policy, place, policy_env
+    from envs.plan import Plan
 
     d, res = run
     jobs = []
@@ -134,6 +136,44 @@ def test_a_given_policy_seeds_round_0(run, tmp_path, monkeypatch):
         own = min(place(task.graph, task.topology, model=initial, samples=jobs[0].samples, seed=seeds[t["task_id"]],
                         baselines=False).candidates, key=Candidate.key)
         assert (t["oom"], t["value"]) <= (own.oom, own.value * (1 + 1e-9))
+        # and the target is a plan the environment expresses: replayed, it takes the time it is valued at
+        env, _, _ = policy_env(initial, task, "step_time", None)
+        assert replay(env, task, Plan.from_dict(t["plan"])).replay_time == pytest.approx(t["value"], rel=1e-9)
+
+
+def test_target_candidates_are_valued_as_the_environment_expresses_them(run):
+    """A target the policy's environment cannot express (one operator of a coarse group on another
+    device) is a candidate at its replayed time, with the replayed plan, not at the time it claims."""
+    from agent.expert_iteration import TargetJob, target_candidates
+    from agent.imitation import replay
+    from agent.infer import load_policy, policy_env
+    from envs.examples import transformer_graph
+    from envs.plan import single_device_plan
+    from envs.presets import preset
+    from envs.sim import simulate
+    from envs.tasks import Task
+
+    d, res = run
+    model = load_policy(str(res.model_path))
+    graph = transformer_graph(layers=3, hidden=64, heads=2, seq=32, batch=8, name="coarsened")  # > 16 ops
+    task = Task(graph, preset("pcie-4gpu"))
+    env, _, _ = policy_env(model, task, "step_time", None)
+    env.reset(options={"task": task})
+    group_of = env.prepared.grouping.group_of
+    v = next(i for i in range(len(group_of)) if (group_of == group_of[i]).sum() > 1)  # in a multi-op group
+    split = single_device_plan(task.graph, task.topology, device=0)
+    split.groups[v] = (1,)
+    claimed = simulate(task.graph, task.topology, split).value
+    row = {"source": "single", "objective": "step_time"}
+    job = TargetJob(row=row, target={"plan": split.to_dict(), "value": claimed, "oom": False, "source": "split"},
+                    dataset=str(d / "dataset"), policy=str(res.model_path), samples=0, evaluations=0, uniform=True,
+                    seed=0, round=1)
+    best = single_device_plan(graph, task.topology, device=0)
+    cands = {src: (key, plan) for key, plan, src in target_candidates(env, task, job, best, model)}
+    key, plan = cands["split"]
+    shown = replay(env, task, split)
+    assert shown.plan.groups[v] != (1,) and key == (shown.oom, shown.replay_time) != (False, claimed)
+    assert plan.groups == shown.plan.groups
 
 
 def test_model_zip_is_the_policy_that_validates_best(run):
