@@ -392,6 +392,9 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
         atomic_write_json(tasks_file, ids, indent=1)
     best = dataset.best()
     validation = [best[i] for i in ids["validation"]]
+    if "initial_given" not in ids:  # how the run started, kept for its resumes (which pass no weights)
+        ids["initial_given"] = bool(state.stats(INITIAL, "validate").get("given", initial_given))
+        atomic_write_json(tasks_file, ids, indent=1)
     ids["train"], tasks = placeable(dataset, [best[i] for i in ids["train"]], cfg.env, log)
     model, venv = model_factory(tasks)
     if resume and state.last_checkpoint():
@@ -413,7 +416,7 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
         # its own plans are candidate targets and its moves guide the search. Unseeded, round 0 taught a
         # trained policy plans worse than its own (twotower, experiments/configs/target_c.yaml: 8 of 16
         # round-0 targets slower than the shipped policy's plans, geo-mean 0.990 of them)
-        seeded = bool(state.stats(INITIAL, "validate").get("given", initial_given))
+        seeded = bool(ids["initial_given"])
         longest = 0.0  # the longest round of this process so far: a round that would overrun is not started
         for r in range(int(ei.rounds)):
             if deadline is not None and time.perf_counter() + longest > deadline and not state.done(r, "logged"):

@@ -127,6 +127,8 @@ def test_a_given_policy_seeds_round_0(run, tmp_path, monkeypatch):
     out = tmp_path / "seeded"
     train(load_config(cfg), run_dir=out, progress=False, log=None, init_weights=res.model_path)
     assert jobs and all(not j.uniform and j.samples == CONFIG["expert_iteration"]["policy_samples"] for j in jobs)
+    assert json.loads((out / "tasks.json").read_text())["initial_given"] is True  # kept for a resume
+    assert json.loads((d / "tasks.json").read_text())["initial_given"] is False  # the fresh network's run
     initial = load_policy(str(res.model_path))
     ds = Dataset.open(out / "dataset")
     targets = [json.loads(x) for x in (out / "targets.jsonl").read_text().splitlines()]
