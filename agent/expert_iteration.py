@@ -256,10 +256,10 @@ class Targets:
 def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path: Path, r: int, *, samples: int,
                  evaluations: int, seed: int, executor=None, progress: bool = True,
                  log: Callable[[str], None] = print, t0: float | None = None,
-                 half_life: float | None = None, seeded: bool = False) -> dict:
+                 half_life: float | None = None, uniform: bool = False) -> dict:
     """Round ``r``'s target search over ``task_ids``; better targets are appended to ``targets``, plans
-    that beat the dataset's best to the dataset. Round 0 searches with uniform moves and without the
-    policy's plans unless ``seeded`` (the policy is a trained one, ``--init``); ``t0`` / ``half_life``:
+    that beat the dataset's best to the dataset. ``uniform``: search with uniform moves and without the
+    policy's plans (round 0 of a fresh network; ``samples`` is then unused); ``t0`` / ``half_life``:
     the searches' annealing schedule (None: the guided search's). Resumable: a task whose round-r search
     finished has a line in ``search_round_<r>.txt``. Returns counts."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -271,7 +271,7 @@ def search_round(dataset, targets: Targets, task_ids: Sequence[str], policy_path
     best, tbest = dataset.best(), targets.best()
     todo = [t for t in task_ids if t not in done]
     jobs = [TargetJob(row=best[t], target=tbest.get(t), dataset=str(dataset.path), policy=str(policy_path),
-                      samples=samples, evaluations=evaluations, uniform=r == 0 and not seeded, seed=seed + i, round=r,
+                      samples=samples, evaluations=evaluations, uniform=uniform, seed=seed + i, round=r,
                       t0=t0, half_life=half_life)
             for i, t in enumerate(todo)]
     counts: dict = {"searched": len(task_ids), "new_targets": 0, "improved_dataset": 0}
@@ -425,11 +425,11 @@ def expert_iteration(cfg, run: Path, *, model_factory: Callable[[Sequence], Any]
             started = time.perf_counter()
             if not state.done(r, "search"):
                 path = _checkpoint(model, run, r, "search-start")
-                stats = search_round(dataset, targets, ids["train"], path, r,
-                                     samples=ei.policy_samples if r > 0 or seeded else 0,
+                stats = search_round(dataset, targets, ids["train"], path, r, samples=ei.policy_samples,
                                      evaluations=ei.policy_evaluations if r > 0 else ei.target_evaluations,
                                      seed=cfg.seed + 1000 * r, executor=executor, progress=progress, log=log,
-                                     t0=ei.target_t0, half_life=ei.target_half_life, seeded=seeded)
+                                     t0=ei.target_t0, half_life=ei.target_half_life,
+                                     uniform=r == 0 and not seeded)
                 state.mark(r, "search", None, stats)
             tbest = targets.best()
             goal = {tasks[i].name: tbest[tid] for i, tid in enumerate(ids["train"]) if tid in tbest}
