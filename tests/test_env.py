@@ -942,3 +942,129 @@ def test_a_pipeline_start_tries_every_microbatch_count(monkeypatch):
     env.reset(seed=0)
     start = env.prepared.start
     assert start.name == "pipeline 2 stages" and int(env.prepared.mb_counts[start.mb_idx]) == 8
+
+
+def test_mixture_of_experts_refine_start_takes_expert_parallel_data_parallelism():
+    """On a mixture-of-experts model the data-parallel starts include one with expert parallelism on
+    every group of experts (ep = dp: each expert on one rank), the rest as plain data parallelism; where
+    it is the fastest start (the experts' weights leave the gradient all-reduce) the episode starts from
+    it, and its plan runs the experts expert-parallel."""
+    from envs.placement.options import MODIFIERS, N_MODIFIERS
+    from envs.placement.task_setup import data_parallel_assignments
+
+    task = default_tasks(names=["moe-wide"])[0]
+    task = Task(task.graph, preset("pcie-4gpu"), batch=task.batch)
+    env = PlacementEnv([task], mode="refine", max_nodes=40, max_devices=4)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = data_parallel_assignments(prep)
+    ep = starts["data parallel a100-80g x4 expert-parallel"]
+    plain = starts["data parallel a100-80g x4"]
+    experts = prep.stats.expert_count > 0
+    assert experts.any() and (ep // N_MODIFIERS == plain // N_MODIFIERS).all()
+    assert all(MODIFIERS[m].expert_parallel for m in (ep % N_MODIFIERS)[experts])
+    assert not any(MODIFIERS[m].expert_parallel for m in (ep % N_MODIFIERS)[~experts])
+    # a routed-experts GPT (GShard-style dispatch) whose gradient all-reduce dominates over PCIe
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec("moe:layers=2,hidden=256,heads=4,experts=4,seq=128,batch=8")
+    env = PlacementEnv([Task(g, preset("pcie-4gpu"))], mode="refine", max_nodes=40, max_devices=4)
+    env.reset(seed=0)
+    prep = env.prepared
+    assert prep.start.name == "data parallel a100-80g x4 expert-parallel"
+    plan = prep.plan(prep.start.assign, 1, "1f1b", 1, "test")
+    assert (plan.ep[prep.ops["expert_layer"] >= 0] == 4).all()
+    # a model without experts gets no such start
+    dense = PlacementEnv([Task(chain_graph(6, batch_size=8, param_bytes=1e8), preset("pcie-4gpu"))], mode="refine",
+                         max_nodes=8, max_devices=4)
+    dense.reset(seed=0)
+    assert not any(k.endswith("expert-parallel") for k in data_parallel_assignments(dense.prepared))
+
+
+def test_megatron_starts_with_sequence_parallelism_and_tensor_x_data_parallel_stages():
+    """Every tensor-parallel Megatron start also comes with sequence parallelism (the groups it replicates
+    between the tensor-parallel regions sequence-split where they may be, nothing else changed), and the
+    pipelines of device groups also run tensor x data parallel inside each stage."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import megatron_assignments, staged_megatron_assignments
+    from envs.plan import LAYOUTS
+
+    topo = preset("a100-80g-cluster:nodes=2")
+    g = transformer_graph(layers=4, hidden=512, heads=8, seq=128, vocab=1000, batch=16)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=40, max_devices=16)
+    env.reset(seed=0)
+    prep = env.prepared
+    opts = prep.options
+
+    def layouts(assign):
+        return [LAYOUTS[opts.layout[r]] for r in assign // N_MODIFIERS]
+
+    starts = {**megatron_assignments(prep), **staged_megatron_assignments(prep)}
+    pairs = [(k[:-3], k) for k in starts if k.endswith(" sp")]
+    assert "megatron tp8 dp2 sp" in starts and "pipeline 2 stages x megatron tp4 dp2 sp" in starts
+    assert not any(k.endswith("dp8 sp") and "tp" not in k.split(" x ")[-1] for k in starts)  # no tp: no sp
+    for plain, sp in pairs:
+        a, b = layouts(starts[plain]), layouts(starts[sp])
+        changed = [v for v in range(len(a)) if a[v] != b[v]]
+        assert changed, sp
+        assert all(a[v] == "replicate" and b[v] == "seq_split" and prep.stats.seq_ok[v] for v in changed)
+    mixed = starts["pipeline 2 stages x megatron tp4 dp2"] // N_MODIFIERS
+    assert {int(opts.dp[r]) for r in mixed} == {2} and {len(opts.groups[r]) for r in mixed} == {8}
+    assert {LAYOUTS[opts.layout[r]] for r in mixed} >= {"col_split", "row_split"}
+
+
+def test_staged_megatron_starts_over_one_device_kind_of_a_mixed_cluster():
+    """On a cluster of several kinds the Megatron pipelines also run over each kind's devices alone (the
+    GPUs without the host CPU, whose count need not divide into equal groups with it)."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import staged_megatron_assignments
+    from envs.presets import PCIE3, _v100
+    from envs.topology import Device, Link, Topology
+
+    gpus = [_v100(f"v100.{i}") for i in range(4)]
+    cpu = Device("cpu", "cpu", {"fp32": 5.9e12, "bf16": 5.9e12}, 512e9, 410e9, compute_eff=0.5, mem_eff=0.6)
+    links = [Link(d.name, f"plx{i // 2}", kind="pcie", **PCIE3) for i, d in enumerate(gpus)]
+    links += [Link(f"plx{s}", "rc", kind="pcie", **PCIE3) for s in range(2)]
+    links.append(Link("cpu", "rc", kind="membus", bandwidth=64e9, latency=5e-7, efficiency=0.8))
+    topo = Topology(gpus + [cpu], links, ["plx0", "plx1", "rc"], name="4v100+cpu")
+    g = transformer_graph(layers=4, hidden=256, heads=4, seq=64, vocab=500, batch=8)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=40, max_devices=5)
+    env.reset(seed=0)
+    starts = staged_megatron_assignments(env.prepared)
+    assert not any(" x megatron" in k for k in starts)  # 5 devices: no equal groups over all of them
+    staged = starts["pipeline 2 stages x v100-32g x4 megatron tp2"] // N_MODIFIERS
+    groups = [env.prepared.options.groups[r] for r in staged]
+    assert set(groups) == {(0, 1), (2, 3)}
+
+
+def test_refine_start_skips_candidates_that_cannot_win_and_starts_where_it_did():
+    """A candidate whose smallest microbatch count, divided by its device groups (the most any
+    microbatching can overlap), is no faster than the best start so far is not tried at more counts: the
+    same starts (name, count, schedule, value) as trying every count, with fewer evaluations."""
+    from envs.placement import task_setup
+
+    tasks = default_tasks(names=["gpt-tiny", "mlp-chain", "moe-wide", "branching-cnn"])
+    topos = [preset("pcie-4gpu"), preset("dgx-a100-80g"), preset("hetero")]
+
+    def starts(monkeypatch, prune: bool):
+        if not prune:
+            monkeypatch.setattr(task_setup, "_cannot_win", lambda *a: False)
+        out, evaluations = [], 0
+        for t in tasks:
+            for topo in topos:
+                ev = CachedSimulation()
+                env = PlacementEnv([Task(t.graph, topo, batch=t.batch)], mode="refine", max_nodes=40,
+                                   max_devices=8, evaluator=ev)
+                env.reset(seed=0)
+                s = env.prepared.start
+                out.append((s.name, s.mb_idx, s.schedule, s.result.value))
+                evaluations += ev.misses
+        monkeypatch.undo()
+        return out, evaluations
+
+    with pytest.MonkeyPatch.context() as mp:
+        pruned, fewer = starts(mp, True)
+    with pytest.MonkeyPatch.context() as mp:
+        every, more = starts(mp, False)
+    assert pruned == every
+    assert fewer < more

@@ -523,11 +523,14 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
-        pipeline = np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0] > 1
+        device_groups = np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0]
+        pipeline = device_groups > 1
         mine = None
         for mb_idx in np.flatnonzero(fits).tolist():  # counts ascending
             res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
             r = plan_reward(res, ref["time"])
+            if mine is None and _cannot_win(res, device_groups, best):
+                break  # (nor can its GPipe variant: the same work, more activations in flight)
             if mine is None or r > mine.reward:
                 mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
             # one stage: more microbatches only save memory, so the first count that fits is its best; a
@@ -549,6 +552,17 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         raise EnvError(f"task {prep.task.name!r}: no heuristic start plan is expressible")
     prep.start = best
     return best
+
+
+def _cannot_win(first: EvalResult, device_groups: int, best: RefineStart | None) -> bool:
+    """Whether a candidate whose smallest microbatch count gave ``first`` cannot beat ``best`` at any
+    count: microbatching at best overlaps its ``device_groups`` device groups' work perfectly (each group
+    still does all of its work, and smaller microbatches are no cheaper per sample), so no count runs it
+    faster than ``first`` / ``device_groups``. Only when both fit in memory (more microbatches can turn an
+    out-of-memory plan into one that fits)."""
+    if best is None or first.oom or best.result.oom:
+        return False
+    return float(first.value) / device_groups >= float(best.result.value)
 
 
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
@@ -592,9 +606,13 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """Data parallelism (``batch_split``) over each device kind's largest group of the table that the
     batch splits evenly over, groups that cannot split by samples on its first device; and that with
     ZeRO-1 (Megatron-LM's distributed optimizer) and with ZeRO-3 (FSDP) on every weighted group: where
-    memory is tight, sharded optimizer states let larger microbatches fit."""
+    memory is tight, sharded optimizer states let larger microbatches fit; and, on a mixture-of-experts
+    model, with expert parallelism on every group of experts the degree divides (ep = dp: each expert
+    on one rank, DeepSpeed-MoE's and Megatron-LM's layout: its weights leave the gradient all-reduce)."""
     look = prep.options.lookup()
     zeros = {stage: _MODIFIER_ID[(stage, "none", False)] for stage in (1, 3)}
+    expert_parallel = _MODIFIER_ID[(0, "none", True)]
+    experts = prep.stats.expert_count
     out = {}
     for kind, g in largest_group_of_each_kind(prep).items():
         o = look.get((g, "batch_split", len(g)))
@@ -607,6 +625,9 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z], z, 0)
             if (zero != plain).any():
                 out[f"data parallel {kind} x{len(g)} zero-{stage}"] = zero
+        ep = prep.allowed[:, o] & prep.modifier_ok[:, expert_parallel] & (experts > 0) & (experts % len(g) == 0)
+        if ep.any():
+            out[f"data parallel {kind} x{len(g)} expert-parallel"] = plain + np.where(ep, expert_parallel, 0)
     return out
 
 
@@ -874,27 +895,44 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     topological order cut into k >= 2 contiguous stages balanced by roofline time
     (:func:`envs.plan.contiguous_stages`), stage s on the s-th of k disjoint equal device groups of the
     table that together hold every device (pairs, a host's halves, hosts), each stage tensor parallel over
-    its group with Megatron's layouts (tp = the group's size) or data parallel over it; a layout the table
-    does not offer or a group may not take becomes ``replicate``, then the group's first device alone."""
-    look, nd, n = prep.options.lookup(), prep.task.topology.num_devices, prep.graph.num_nodes
+    its group with Megatron's layouts (tp = the group's size), data parallel over it, or tensor parallel x
+    data parallel inside it at every data-parallel degree the table offers there (Megatron-LM's
+    tp x pp x dp), the tensor-parallel ones also with sequence parallelism
+    (:func:`sequence_parallel_layouts`); a layout the table does not offer or a group may not take becomes ``replicate``, then
+    the group's first device alone. On a cluster of several device kinds, also the same over each kind's
+    devices alone (a heterogeneous cluster's GPUs without its CPUs; megatron_3d likewise uses a subset)."""
+    look, topo, n = prep.options.lookup(), prep.task.topology, prep.graph.num_nodes
     groups = list(dict.fromkeys(prep.options.groups))
     layouts = megatron_layouts(prep.graph)
+    sequence_parallel = sequence_parallel_layouts(prep, layouts)
+    pools = {tuple(range(topo.num_devices)): ""}
+    by_kind = topo.devices_by_kind()
+    for kind, members in by_kind.items() if len(by_kind) > 1 else ():
+        if len(members) > 1:
+            pools.setdefault(tuple(members), f"{kind} x{len(members)} ")
     out = {}
-    for size in sorted({len(g) for g in groups if 1 < len(g) < nd and nd % len(g) == 0}):
-        k = nd // size
-        cover: list[tuple[int, ...]] = []
-        used: set[int] = set()
-        for g in groups:
-            if len(g) == size and used.isdisjoint(g):
-                cover.append(g)
-                used.update(g)
-        if len(cover) != k or k > n:
-            continue
-        stage = contiguous_stages(prep.graph, k, weights=prep.time_single)
-        for dp, name in ((1, f"tp{size}"), (size, f"dp{size}")):
-            out[f"pipeline {k} stages x megatron {name}"] = np.array(
-                [_group_action(prep, look, v, cover[int(stage[v])], layouts[v] if dp == 1 else "batch_split", dp)
-                 for v in range(n)], dtype=np.int64)
+    for pool, label in pools.items():
+        inside, m = set(pool), len(pool)
+        for size in sorted({len(g) for g in groups if 1 < len(g) < m and m % len(g) == 0 and set(g) <= inside}):
+            k = m // size
+            cover: list[tuple[int, ...]] = []
+            used: set[int] = set()
+            for g in groups:
+                if len(g) == size and set(g) <= inside and used.isdisjoint(g):
+                    cover.append(g)
+                    used.update(g)
+            if len(cover) != k or k > n:
+                continue
+            stage = contiguous_stages(prep.graph, k, weights=prep.time_single)
+            mixed = sorted({key[2] for key in look if key[0] == cover[0] and key[1] == "replicate"} - {1, size})
+            variants = [(1, f"tp{size}"), (size, f"dp{size}")] + [(dp, f"tp{size // dp} dp{dp}") for dp in mixed]
+            for dp, name in variants:
+                chosen = [("", layouts)] + ([(" sp", sequence_parallel)] if dp < size and sequence_parallel != layouts
+                                            else [])
+                for suffix, lay in chosen:
+                    out[f"pipeline {k} stages x {label}megatron {name}{suffix}"] = np.array(
+                        [_group_action(prep, look, v, cover[int(stage[v])], "batch_split" if dp == size else lay[v],
+                                       dp) for v in range(n)], dtype=np.int64)
     return out
 
 
@@ -904,7 +942,8 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     over the rest), a layout the table does not offer or the group may not take becoming ``replicate``;
     when the all-device group is not in the table, on the largest one-host group holding device 0. On a
     cluster of several device kinds, also on each kind's largest group (tensor parallelism over a
-    heterogeneous cluster's two fastest GPUs rather than all of its devices)."""
+    heterogeneous cluster's two fastest GPUs rather than all of its devices). Every variant with tp >= 2
+    also with sequence parallelism (:func:`sequence_parallel_layouts`)."""
     topo, look = prep.task.topology, prep.options.lookup()
     whole = tuple(range(topo.num_devices))
     groups = {whole: ""} if whole in prep.options.groups else {}
@@ -918,13 +957,24 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             largest = max(same, key=len)
             groups.setdefault(largest, f"{kind} x{len(largest)} ")
     layouts = megatron_layouts(prep.graph)
+    sequence_parallel = sequence_parallel_layouts(prep, layouts)
     out = {}
     for group, label in groups.items():
         for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
-            out[f"megatron {label}tp{len(group) // dp} dp{dp}"] = np.array(
-                [_group_action(prep, look, v, group, layouts[v], dp) for v in range(prep.graph.num_nodes)],
-                dtype=np.int64)
+            name = f"megatron {label}tp{len(group) // dp} dp{dp}"
+            out[name] = np.array([_group_action(prep, look, v, group, layouts[v], dp)
+                                  for v in range(prep.graph.num_nodes)], dtype=np.int64)
+            if len(group) // dp >= 2 and sequence_parallel != layouts:
+                out[name + " sp"] = np.array([_group_action(prep, look, v, group, sequence_parallel[v], dp)
+                                              for v in range(prep.graph.num_nodes)], dtype=np.int64)
     return out
+
+
+def sequence_parallel_layouts(prep: PreparedTask, layouts: list[str]) -> list[str]:
+    """Megatron-LM's sequence parallelism (Korthikanti et al., 2022): the groups ``layouts`` replicates
+    between the tensor-parallel regions (norms, dropouts, residual adds) sequence-split instead where
+    every operator of the group may be (``envs.plan.megatron_plan``'s ``sequence_parallel``)."""
+    return ["seq_split" if lay == "replicate" and prep.stats.seq_ok[v] else lay for v, lay in enumerate(layouts)]
 
 
 def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
