@@ -50,7 +50,8 @@ HELD_OUT_SEED = 7  # the training configs draw with seeds 0 and 1
 USER_MODELS = [("mixer", "experiments/models/mixer.py:build", "dgx-a100-80g"),
                ("wavenet", "experiments/models/wavenet.py:build", "pcie-4gpu"),
                ("perceiver", "experiments/models/perceiver.py:build", "a100-80g-cluster:nodes=2"),
-               ("mixer-small", "experiments/models/mixer.py:build:layers=8,hidden=512,batch=64", "hetero")]
+               ("mixer-small", "experiments/models/mixer.py:build:layers=8,hidden=512,batch=64", "hetero"),
+               ("moe-top2", "experiments/models/moe_top2.py:build", "pcie-4gpu")]
 SUITE_CASES = ["gpt-small@dgx-a100", "mlp-chain@pcie-4gpu", "branching-cnn@dgx1-v100", "moe-wide@dgx-a100",
                "gpt-small@hetero", "gpt-350m@pcie-4gpu", "traced-gpt@pcie-4gpu"]
 MCMC_SECONDS = 15.0
