@@ -1068,3 +1068,34 @@ def test_refine_start_skips_candidates_that_cannot_win_and_starts_where_it_did()
         every, more = starts(mp, False)
     assert pruned == every
     assert fewer < more
+
+
+def test_expert_parallelism_over_more_replicas_than_experts():
+    """Expert parallelism's degree is the largest that divides both the data-parallel degree and the
+    layer's experts (Megatron-LM's ep | dp, experts % ep == 0): 2 experts data parallel over 4 devices run
+    with ep 2 (two replicas of each expert), which the action mask allows, the plan validates and the
+    per-device model states count (half the experts' states on each member, not a quarter)."""
+    from envs.placement.options import EXPERT_ROWS, N_MODIFIERS, expert_parallel_degree
+    from envs.placement.task_setup import data_parallel_assignments
+    from profilers.spec import graph_from_spec
+
+    assert expert_parallel_degree([1, 2, 4, 8, 16, 6], 8).tolist() == [1, 2, 4, 8, 8, 2]
+    assert expert_parallel_degree(16, 0) == 1
+    g = graph_from_spec("moe:layers=2,hidden=256,heads=4,experts=2,seq=128,batch=8")
+    topo = preset("pcie-4gpu")
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=40, max_devices=4)
+    env.reset(seed=0)
+    prep = env.prepared
+    assign = data_parallel_assignments(prep)["data parallel a100-80g x4 expert-parallel"]
+    plan = prep.plan(assign, 1, "1f1b", 1, "test")
+    experts = prep.ops["expert_layer"] >= 0
+    assert (plan.ep[experts] == 2).all() and (plan.dp[experts] == 4).all() and (plan.ep[~experts] == 1).all()
+    plan.validate(g, topo)
+    v = int(np.flatnonzero(prep.stats.expert_count > 0)[0])
+    o = int(assign[v] // N_MODIFIERS)
+    k = int(np.flatnonzero(EXPERT_ROWS)[0])
+    assert prep.state_factor(v)[o, k] == pytest.approx(0.5) and prep.zero_factor[o, k] == pytest.approx(0.25)
+    # the mask offers the expert-parallel rows on that placement when the group is decided
+    while env._phase() != 2 or env._node() != v:
+        env.step(int(np.flatnonzero(env.action_masks())[0]) if env._phase() != 2 else int(env.assignment[env._node()]))
+    assert env.action_masks()[o * N_MODIFIERS + k]

@@ -31,7 +31,7 @@ AND-ed over the node's co-location class; dp > 1 needs batch splitting; ``seq_sp
 may be sequence-split), when its data-parallel degree does not divide the microbatch, or when the
 node's co-location class is already placed elsewhere (it must follow). A modifier is hidden where it
 does not apply: ZeRO without data parallelism or parameters, selective recomputation without attention-
-core ops, expert parallelism without experts, batch splitting or a dp dividing the experts. An action
+core ops, expert parallelism without experts, batch splitting or a dp sharing a factor with the experts. An action
 is also hidden when the model states already placed on a member device plus this node's (its class's,
 under the modifier's ZeRO stage) would certainly exceed that device's memory; if memory rules out every
 action, the memory rule is dropped for that node (the plan will be OOM and penalised), so an episode
@@ -106,7 +106,15 @@ from envs.placement.observation import (
     globals_width,
     observation_space,
 )
-from envs.placement.options import COMM_FACTOR, EXPERT_ROWS, N_MODIFIERS, ORDERS, ZERO_ROWS, option_bound
+from envs.placement.options import (
+    COMM_FACTOR,
+    EXPERT_ROWS,
+    N_MODIFIERS,
+    ORDERS,
+    ZERO_ROWS,
+    expert_parallel_degree,
+    option_bound,
+)
 from envs.placement.reward import plan_reward
 from envs.placement.task_setup import (
     PreparedTask,
@@ -391,7 +399,7 @@ class PlacementEnv(gym.Env):
         """(placement, model states, activations, compute time) a node adds on each member device."""
         p = self._p
         o, k = divmod(a, N_MODIFIERS)
-        states = p.states[v] / p.options.state_div[o] * p.zero_factor[o, k]
+        states = p.states[v] / p.options.state_div[o] * p.state_factor(v)[o, k]
         acts = p.act_kept[v, k] * self._act_scale() / p.act_div[o]
         load = p.time_single[v] * np.exp2(float(p.speed[v, o]) + float(p.time_factor[v, k]))
         return o, states, acts, load
@@ -478,9 +486,9 @@ class PlacementEnv(gym.Env):
         ok = place_ok[:, None] & p.modifier_ok[v][None, :]
         ok &= ~(ZERO_ROWS[None, :] & (opts.dp < 2)[:, None])
         experts = int(p.stats.expert_count[v])
-        ep_place = (opts.layout == BATCH_SPLIT) & (opts.dp >= 2) & (experts % np.maximum(opts.dp, 1) == 0)
+        ep_place = (opts.layout == BATCH_SPLIT) & (opts.dp >= 2) & (expert_parallel_degree(opts.dp, experts) >= 2)
         ok &= ~(EXPERT_ROWS[None, :] & ~ep_place[:, None])
-        need = p.need[v] / opts.state_div[:, None] * p.zero_factor  # [P, K] model states per member
+        need = p.need[v] / opts.state_div[:, None] * p.state_factor(v)  # [P, K] model states per member
         headroom = (p.dev_inf + (p.capacity - used)[None, :]).min(axis=1)
         fit = need <= headroom[:, None]
         forced = self.mode == "place" and c >= 0 and self._class_opt[c] >= 0

@@ -37,7 +37,8 @@ TENSOR_LAYOUTS = ("col_split", "row_split", "replicate", "seq_split")
 
 @dataclass(frozen=True)
 class Modifier:
-    """One modifier row: ZeRO stage, recomputation mode, expert parallelism (ep = the group's dp)."""
+    """One modifier row: ZeRO stage, recomputation mode, expert parallelism (ep =
+    :func:`expert_parallel_degree` of the group's dp and its layer's experts)."""
 
     zero: int
     recompute: str
@@ -45,12 +46,20 @@ class Modifier:
 
 
 # ZeRO 0-3 x recomputation; expert parallelism only with ZeRO 0 (with ep = dp every expert has one replica,
-# which ZeRO cannot shard over)
+# which ZeRO cannot shard over; with ep < dp a few replicas, whose sharding the rows leave to the placers)
 MODIFIERS: tuple[Modifier, ...] = tuple(
     [Modifier(z, rc, False) for z in (0, 1, 2, 3) for rc in RECOMPUTE]
     + [Modifier(0, rc, True) for rc in RECOMPUTE])
 N_MODIFIERS = len(MODIFIERS)
 MODIFIER_FEATURES = 4 + len(RECOMPUTE) + 1
+
+
+def expert_parallel_degree(dp, experts):
+    """The expert-parallel degree of an expert-parallel modifier: the largest degree that divides both the
+    data-parallel degree and the layer's experts (Megatron-LM's and DeepSpeed-MoE's constraints: ep divides
+    dp and the experts), e.g. 8 experts over dp 16 -> ep 8, two replicas of each expert; 1 outside experts."""
+    dp, experts = np.asarray(dp, dtype=np.int64), np.asarray(experts, dtype=np.int64)
+    return np.where(experts > 0, np.gcd(np.maximum(dp, 1), experts), 1)
 
 
 def modifier_features() -> np.ndarray:

@@ -20,7 +20,7 @@ group) and the global choices into a :class:`envs.plan.Plan` on the task's opera
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
 from envs.placement.list_schedule import favourite_parents, list_schedule
 from envs.placement.observation import GroupStats, static_features
-from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order
+from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order, expert_parallel_degree
 from envs.placement.reward import plan_reward
 from envs.placement.stage_partition import bottleneck_stages
 from envs.plan import (
@@ -114,13 +114,28 @@ class PreparedTask:
     dev_inf: np.ndarray  # [P, nd] 0 on members, inf elsewhere (for min-headroom)
     stats: GroupStats
     modifier_ok: np.ndarray  # [n, K] the modifier applies to the node at all
-    zero_factor: np.ndarray  # [P, K] model states kept per member under the modifier's ZeRO stage
+    zero_factor: np.ndarray  # [P, K] model states kept per member under the modifier's ZeRO stage (1/dp
+    # on the expert-parallel rows; :meth:`state_factor` gives a node's, with its experts' degree)
     act_div: np.ndarray  # [P] activations divided over a member (dp x tensor/sequence split)
     act_kept: np.ndarray  # [n, K] activation bytes per traced batch kept under the modifier's recomputation
     time_factor: np.ndarray  # [n, K] log2 of the compute time factor of the modifier (recomputation)
     ops: dict  # the operator graph's per-op arrays the plan needs (attention core, experts)
     ref: dict | None = None  # reference(), once computed
     start: RefineStart | None = None  # refine_start(), once computed
+    expert_state_factors: dict = field(default_factory=dict)  # experts per layer -> state_factor()
+
+    def state_factor(self, v: int) -> np.ndarray:
+        """[P, K] model states node ``v`` keeps per member under each placement and modifier: the ZeRO
+        stage's fraction, and 1/ep on the expert-parallel rows (ep: :func:`expert_parallel_degree` of the
+        placement's dp and the node's experts; each expert on ep ranks' share)."""
+        experts = int(self.stats.expert_count[v])
+        if experts == 0:
+            return self.zero_factor
+        if experts not in self.expert_state_factors:
+            out = self.zero_factor.copy()
+            out[:, EXPERT_PARALLEL] = 1.0 / expert_parallel_degree(self.options.dp, experts)[:, None]
+            self.expert_state_factors[experts] = out
+        return self.expert_state_factors[experts]
 
     @property
     def num_actions(self) -> int:
@@ -150,7 +165,7 @@ class PreparedTask:
         rc = RECOMPUTE_MODE[op_mod]
         recompute = (rc == RECOMPUTE.index("full")) | ((rc == RECOMPUTE.index("selective")) & self.ops["core"])
         zero = np.where((fine.param_bytes > 0) & (dp > 1), ZERO[op_mod], 0)
-        ep = np.where(EXPERT_PARALLEL[op_mod] & (self.ops["expert_layer"] >= 0), dp, 1)
+        ep = np.where(EXPERT_PARALLEL[op_mod], expert_parallel_degree(dp, self.ops["expert_count"]), 1)
         groups = [opts.groups[o] for o in place.tolist()]
         plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[int(opts.layout[o])] for o in op_place],
                     dp=dp, recompute=recompute, zero=zero, ep=ep, microbatches=microbatches, schedule=schedule,
@@ -179,7 +194,7 @@ class PreparedTask:
         new.recompute[ops] = (rc == RECOMPUTE.index("full")) | ((rc == RECOMPUTE.index("selective"))
                                                                 & self.ops["core"][ops])
         new.zero[ops] = np.where((fine.param_bytes[ops] > 0) & (dp > 1), ZERO[k], 0)
-        new.ep[ops] = np.where(EXPERT_PARALLEL[k] & (self.ops["expert_layer"][ops] >= 0), dp, 1)
+        new.ep[ops] = np.where(EXPERT_PARALLEL[k], expert_parallel_degree(dp, self.ops["expert_count"][ops]), 1)
         if new.ep.max(initial=1) > 1:
             _drop_invalid_expert_parallelism(new, fine, self.ops["expert_layer"])
         return new
@@ -607,8 +622,9 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     batch splits evenly over, groups that cannot split by samples on its first device; and that with
     ZeRO-1 (Megatron-LM's distributed optimizer) and with ZeRO-3 (FSDP) on every weighted group: where
     memory is tight, sharded optimizer states let larger microbatches fit; and, on a mixture-of-experts
-    model, with expert parallelism on every group of experts the degree divides (ep = dp: each expert
-    on one rank, DeepSpeed-MoE's and Megatron-LM's layout: its weights leave the gradient all-reduce)."""
+    model, with expert parallelism on every group of experts (ep: :func:`expert_parallel_degree`, e.g. each
+    expert on one rank when the experts divide over dp, DeepSpeed-MoE's and Megatron-LM's layout: its
+    weights leave the gradient all-reduce)."""
     look = prep.options.lookup()
     zeros = {stage: _MODIFIER_ID[(stage, "none", False)] for stage in (1, 3)}
     expert_parallel = _MODIFIER_ID[(0, "none", True)]
@@ -625,7 +641,7 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z], z, 0)
             if (zero != plain).any():
                 out[f"data parallel {kind} x{len(g)} zero-{stage}"] = zero
-        ep = prep.allowed[:, o] & prep.modifier_ok[:, expert_parallel] & (experts > 0) & (experts % len(g) == 0)
+        ep = prep.allowed[:, o] & prep.modifier_ok[:, expert_parallel] & (expert_parallel_degree(len(g), experts) >= 2)
         if ep.any():
             out[f"data parallel {kind} x{len(g)} expert-parallel"] = plain + np.where(ep, expert_parallel, 0)
     return out
