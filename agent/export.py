@@ -6,8 +6,9 @@ equal size, on its own block of ``tp x dp`` ranks in the runtime's rank order (t
 data, then pipeline: Megatron-LM's default ``tp-cp-ep-dp-pp`` order, torchtitan's mesh
 ``pp, dp, tp`` and DeepSpeed's ``pipe, data, model`` topology), every layer split the way the
 runtimes' model code splits it (Megatron's column/row-parallel linears, replicated or
-sequence-parallel norms and residual adds), one recomputation level, one ZeRO stage and one
-sequence-parallel switch for all layers. :func:`uniform_parallelism` recognises such a plan and
+sequence-parallel norms and residual adds), one recomputation level, one ZeRO stage, one
+sequence-parallel switch and one expert-parallel degree (Megatron-LM's --expert-model-parallel-size,
+torchtitan's expert_parallel_degree beside FSDP, DeepSpeed's MoE(ep_size=...) in model code) for all layers. :func:`uniform_parallelism` recognises such a plan and
 returns its :class:`Parallelism`; for any other plan it raises :class:`NotExpressible` naming the
 first part the runtimes cannot express (a non-uniform operator placement, uneven stages, mixed
 layouts...) -- ``rlplace run`` executes any plan. Each writer then checks what its own runtime lacks
@@ -32,7 +33,7 @@ import numpy as np
 
 from envs.errors import RlplaceError
 from envs.graph import CAN_BATCH, CAN_REPLICATE, OpGraph
-from envs.plan import Plan, attention_core, is_attention_core, layer_ids, megatron_layouts
+from envs.plan import Plan, attention_core, expert_layers, is_attention_core, layer_ids, megatron_layouts
 
 RUNTIMES = ("megatron", "deepspeed", "torchtitan")
 TP_LAYOUTS = ("col_split", "row_split", "replicate", "seq_split")
@@ -65,7 +66,7 @@ class Parallelism:
     recompute: str  # none | selective | full
     zero: int  # one ZeRO stage for the whole model
     sequence_parallel: bool
-    expert_parallel: int  # always 1: plans have no expert parallelism yet
+    expert_parallel: int  # the experts' expert-parallel degree (1: none); model["experts"]: experts per layer
     dtype: str
     layers: int | None  # repeated layers of the model (None: the graph has no layer structure)
     model: dict = field(default_factory=dict)  # layers / hidden / heads / seq / vocab / tie_embeddings
@@ -210,13 +211,32 @@ def uniform_parallelism(plan: Plan, graph: OpGraph) -> Parallelism:
 
     recompute = _recompute_level(plan, graph, order, layer_nodes)
     zero = _zero_stage(plan, graph, order)
+    experts, ep = _experts(plan, graph)
     batch = plan.batch(graph)
     mbs = batch // plan.microbatches
     meta = graph.meta or {}
     model = {k: meta[k] for k in ("layers", "hidden", "heads", "seq", "vocab", "tie_embeddings") if k in meta}
+    if experts:
+        model["experts"] = experts
     return Parallelism(tp=tp, pp=p, dp=dp, virtual_stages=v_stages, micro_batch=mbs // dp, global_batch=batch,
                        microbatches=plan.microbatches, schedule=plan.schedule, recompute=recompute, zero=zero,
-                       sequence_parallel=sp, expert_parallel=1, dtype=plan.dtype, layers=layers, model=model)
+                       sequence_parallel=sp, expert_parallel=ep, dtype=plan.dtype, layers=layers, model=model)
+
+
+def _experts(plan: Plan, graph: OpGraph) -> tuple[int, int]:
+    """(experts per mixture-of-experts layer, 0 without any; their one expert-parallel degree)."""
+    layer, _, count = expert_layers(graph)
+    mine = layer >= 0
+    if not mine.any():
+        return 0, 1
+    counts, degrees = sorted({int(c) for c in count[mine]}), sorted({int(e) for e in plan.ep[mine]})
+    if len(counts) > 1:
+        raise NotExpressible(f"mixture-of-experts layers with different numbers of experts ({counts}); the runtimes "
+                             "build every MoE layer with one --num-experts")
+    if len(degrees) > 1:
+        raise NotExpressible(f"expert layers with different expert-parallel degrees ({degrees}); the runtimes use "
+                             "one expert-parallel degree for the whole model")
+    return counts[0], degrees[0]
 
 
 def _recompute_level(plan: Plan, graph: OpGraph, order: list[int], layer_nodes: np.ndarray) -> str:
@@ -239,10 +259,11 @@ def _recompute_level(plan: Plan, graph: OpGraph, order: list[int], layer_nodes: 
 
 
 def _zero_stage(plan: Plan, graph: OpGraph, order: list[int]) -> int:
-    """The ZeRO stage of the nodes that hold parameters over data-parallel replicas (all must share it)."""
+    """The ZeRO stage of the nodes that hold parameters over data-parallel replicas (all must share it; an
+    expert with one replica per expert-parallel group has nothing to shard)."""
     first: dict[int, int] = {}
     for v in order:
-        if int(plan.dp[v]) > 1 and graph.param_bytes[v] > 0:
+        if plan.replicas(v) > 1 and graph.param_bytes[v] > 0:
             first.setdefault(int(plan.zero[v]), v)
     if len(first) > 1:
         (a, va), (b, vb) = list(first.items())[:2]
@@ -290,6 +311,10 @@ def megatron_args(par: Parallelism) -> list[str]:
             args.append("--torch-fsdp2-no-reshard-after-forward")
     if par.dtype in ("bf16", "fp16"):
         args.append(f"--{par.dtype}")
+    if par.model.get("experts"):
+        args += ["--num-experts", str(par.model["experts"])]
+    if par.expert_parallel > 1:  # carved out of the data-parallel ranks (ep divides dp)
+        args += ["--expert-model-parallel-size", str(par.expert_parallel)]
     m = par.model
     for key, flag in (("layers", "--num-layers"), ("hidden", "--hidden-size"), ("heads", "--num-attention-heads"),
                       ("seq", "--seq-length")):
@@ -382,6 +407,9 @@ def _deepspeed_notes(par: Parallelism) -> list[str]:
     elif par.recompute == "full":
         notes.append("wrap each transformer layer in deepspeed.checkpointing.checkpoint (the activation_checkpointing "
                      "section configures it)")
+    if par.expert_parallel > 1:
+        notes.append(f"expert parallelism is model code: build each MoE layer as deepspeed.moe.layer.MoE(..., "
+                     f"num_experts={par.model.get('experts')}, ep_size={par.expert_parallel})")
     return notes
 
 
@@ -404,6 +432,10 @@ def torchtitan_toml(par: Parallelism) -> str:
                              "parallelism'); ZeRO-2/3 (FSDP) is", who)
     if par.dtype == "fp16":
         raise NotExpressible("dtype fp16: torchtitan's mixed_precision_param is bfloat16 or float32", who)
+    if par.expert_parallel > 1 and par.zero < 2:
+        raise NotExpressible(f"expert parallelism (ep={par.expert_parallel}) beside replicated (DDP) weights: "
+                             "torchtitan's expert_parallel_degree borrows its ranks from FSDP's "
+                             "data_parallel_shard_degree", who)
     if par.pp > 1 and par.virtual_stages > 1 and not par.layers_per_chunk:
         raise NotExpressible("virtual stages on a graph without repeated layers", who)
     shard = par.dp if par.zero >= 2 else 1
@@ -417,6 +449,8 @@ def torchtitan_toml(par: Parallelism) -> str:
              f"pipeline_parallel_degree = {par.pp}"]
     if par.zero >= 2:
         lines.append(f'fsdp_reshard_after_forward = "{"never" if par.zero == 2 else "always"}"')
+    if par.expert_parallel > 1:
+        lines.append(f"expert_parallel_degree = {par.expert_parallel}")
     if par.pp > 1:
         sched = "Interleaved1F1B" if par.virtual_stages > 1 else TORCHTITAN_SCHEDULES[par.schedule]
         lines += [f'pipeline_parallel_schedule = "{sched}"', f"pipeline_parallel_microbatch_size = {par.micro_batch}"]

@@ -22,6 +22,7 @@ from agent.export import (
 from envs.examples import transformer_graph
 from envs.plan import layer_ids, megatron_plan, recompute_flags
 from envs.presets import preset
+from envs.tasks import moe_graph
 
 try:  # Python 3.11+; on 3.10 the tomli backport, if installed
     import tomllib
@@ -34,7 +35,8 @@ GPT = dict(layers=8, hidden=256, heads=8, seq=128, vocab=1000, batch=16)
 
 @pytest.fixture(scope="module")
 def graphs():
-    return {"tied": transformer_graph(**GPT), "untied": transformer_graph(**GPT, tie_embeddings=False)}
+    return {"tied": transformer_graph(**GPT), "untied": transformer_graph(**GPT, tie_embeddings=False),
+            "moe": moe_graph(layers=4, experts=8, top_k=2, hidden=256, seq=128, batch=16, vocab=1000)}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,8 @@ PLANS = {
     "tp2 dp4 sp zero2 selective": ("untied", dict(tp=2, dp=4, microbatch_size=2, sequence_parallel=True, zero=2,
                                                   recompute="selective")),
     "single device": ("tied", dict(microbatch_size=16)),
+    "dp8 ep4": ("moe", dict(dp=8, microbatch_size=2, expert_parallel=4)),
+    "dp8 ep8 zero3": ("moe", dict(dp=8, microbatch_size=2, expert_parallel=8, zero=3)),
 }
 
 
@@ -362,3 +366,30 @@ def test_cli_usage_errors(cli, files):
     assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
     rc, _, err = cli("export", files / "plan.json", "--model", "gpt-small", "--to", "megatron")  # another graph
     assert rc == 2 and err.startswith("error: ") and "Traceback" not in err
+
+
+def test_expert_parallelism_is_exported_or_refused(graphs, topo):
+    """A plan's expert parallelism reaches the runtimes: Megatron-LM's --num-experts and
+    --expert-model-parallel-size, torchtitan's expert_parallel_degree beside FSDP (its experts borrow the
+    shard ranks; beside DDP it refuses), DeepSpeed's MoE layer argument as a note (model code); an expert
+    with one replica needs no ZeRO stage of its own."""
+    plan, g = _plan(graphs, topo, "dp8 ep4")
+    par = uniform_parallelism(plan, g)
+    assert (par.expert_parallel, par.model["experts"], par.dp) == (4, 8, 8)
+    values = _flag_values(megatron_args(par))
+    assert values["--expert-model-parallel-size"] == "4" and values["--num-experts"] == "8"
+    with pytest.raises(NotExpressible, match="expert parallelism"):
+        export(plan, g, "torchtitan")
+    assert any("ep_size=4" in n for n in export(plan, g, "deepspeed").notes)
+    plan, g = _plan(graphs, topo, "dp8 ep8 zero3")
+    doc = tomllib.loads(export(plan, g, "torchtitan").text)
+    assert doc["parallelism"]["expert_parallel_degree"] == 8 and doc["parallelism"]["data_parallel_shard_degree"] == 8
+    # a dense model's plan says nothing about experts; layers of different expert-parallel degrees are refused
+    assert "--num-experts" not in megatron_args(uniform_parallelism(*_plan(graphs, topo, "dp4 ddp selective")))
+    mixed, g = _plan(graphs, topo, "dp8 ep4")
+    from envs.plan import expert_layers
+
+    layer, _, _ = expert_layers(g)
+    mixed.ep[layer == 0] = 2
+    with pytest.raises(NotExpressible, match="different expert-parallel degrees"):
+        uniform_parallelism(mixed, g)
