@@ -356,8 +356,24 @@ class _FlopInterpreter(torch.fx.Interpreter):
         return out
 
 
+def _grouped_mm_flops(a_shape, b_shape, *_args, out_shape=None, **_kwargs) -> int:
+    """``aten._grouped_mm`` (torch's grouped GEMM: the fused experts of Hugging Face MoE models such as
+    Mixtral in transformers 5), which FlopCounterMode does not count: 2 x M x N x K summed over the
+    groups (torch/_meta_registrations.py's shapes): a 2-D x 2-D product groups along K (2 M K_total N);
+    otherwise every output element sums over ``a``'s last dimension (2-D x 3-D: the token rows of each
+    expert times its [K, N] weight)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * int(np.prod(out_shape)) * a_shape[-1]
+
+
+# the ops FlopCounterMode does not count that do GEMM work
+_EXTRA_FLOP_FORMULAS = {op: _grouped_mm_flops for op in
+                        [getattr(torch.ops.aten, "_grouped_mm", None)] if op is not None}
+
+
 def _count_node_flops(ep: torch.export.ExportedProgram) -> tuple[dict[torch.fx.Node, float], set]:
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS)
     interp = _FlopInterpreter(ep.graph_module, counter)
     with counter, torch.no_grad():
         interp.run(enable_io_processing=False)

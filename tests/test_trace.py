@@ -227,3 +227,26 @@ def test_op_without_the_traced_dtype_names_the_line_and_the_fix():
     assert "torch.fft.rfft" in msg and "--dtype fp32" in msg and "mixed_precision" not in msg
     g = trace(Spectral(), (torch.randn(2, 8),), batch_size=2, dtype="fp32")
     assert g.num_nodes >= 3
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without the grouped GEMM")
+def test_grouped_gemm_of_fused_experts_counts_its_flops():
+    """torch's grouped GEMM (the fused experts of Hugging Face MoE models: each token row times its
+    expert's [K, N] weight), which FlopCounterMode leaves at zero, counts 2 x rows x K x N."""
+
+    class FusedExperts(nn.Module):
+        def __init__(self, experts: int, k: int, n: int):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(experts, k, n))
+
+        def forward(self, x):
+            rows = x.shape[0]
+            offs = torch.arange(1, self.w.shape[0] + 1, dtype=torch.int32, device=x.device) * (rows // self.w.shape[0])
+            return torch._grouped_mm(x, self.w, offs=offs)
+
+    rows, k, n, experts = 256, 64, 128, 4
+    g = trace(FusedExperts(experts, k, n), (torch.randn(rows, k),), batch_size=rows)
+    grouped = [v for v in range(g.num_nodes) if "grouped" in g.names[v]]
+    assert len(grouped) == 1
+    assert g.fwd_flops[grouped[0]] == pytest.approx(2 * rows * k * n)
+    assert g.param_bytes[grouped[0]] == pytest.approx(experts * k * n * 2)
