@@ -1008,6 +1008,16 @@ def test_megatron_starts_with_sequence_parallelism_and_tensor_x_data_parallel_st
         changed = [v for v in range(len(a)) if a[v] != b[v]]
         assert changed, sp
         assert all(a[v] == "replicate" and b[v] == "seq_split" and prep.stats.seq_ok[v] for v in changed)
+    # and with Megatron-LM's distributed optimizer (ZeRO-1) where there are data-parallel replicas
+    from envs.placement.options import MODIFIERS
+
+    for name in ("megatron tp8 dp2", "megatron tp8 dp2 sp"):
+        plain, zero = starts[name], starts[name + " zero-1"]
+        assert (plain // N_MODIFIERS == zero // N_MODIFIERS).all()
+        weighted = prep.modifier_ok[:, 3] & (opts.dp[plain // N_MODIFIERS] >= 2)
+        assert weighted.any() and {MODIFIERS[m].zero for m in zero[weighted] % N_MODIFIERS} == {1}
+        assert (zero[~weighted] == plain[~weighted]).all()
+    assert not any(k.startswith("megatron tp16 dp1") and k.endswith("zero-1") for k in starts)
     mixed = starts["pipeline 2 stages x megatron tp4 dp2"] // N_MODIFIERS
     assert {int(opts.dp[r]) for r in mixed} == {2} and {len(opts.groups[r]) for r in mixed} == {8}
     assert {LAYOUTS[opts.layout[r]] for r in mixed} >= {"col_split", "row_split"}

@@ -626,7 +626,6 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     expert on one rank when the experts divide over dp, DeepSpeed-MoE's and Megatron-LM's layout: its
     weights leave the gradient all-reduce)."""
     look = prep.options.lookup()
-    zeros = {stage: _MODIFIER_ID[(stage, "none", False)] for stage in (1, 3)}
     expert_parallel = _MODIFIER_ID[(0, "none", True)]
     experts = prep.stats.expert_count
     out = {}
@@ -637,14 +636,23 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         single = look[((g[0],), "single", 1)]
         plain = np.where(prep.allowed[:, o], o, single) * N_MODIFIERS
         out[f"data parallel {kind} x{len(g)}"] = plain
-        for stage, z in zeros.items():
-            zero = plain + np.where(prep.allowed[:, o] & prep.modifier_ok[:, z], z, 0)
+        for stage in (1, 3):
+            zero = with_zero(prep, plain, stage)
             if (zero != plain).any():
                 out[f"data parallel {kind} x{len(g)} zero-{stage}"] = zero
         ep = prep.allowed[:, o] & prep.modifier_ok[:, expert_parallel] & (expert_parallel_degree(len(g), experts) >= 2)
         if ep.any():
             out[f"data parallel {kind} x{len(g)} expert-parallel"] = plain + np.where(ep, expert_parallel, 0)
     return out
+
+
+def with_zero(prep: PreparedTask, assign: np.ndarray, stage: int) -> np.ndarray:
+    """``assign`` with ZeRO ``stage`` (no recomputation) on every group that is data parallel (dp >= 2),
+    holds weights and has no modifier yet; the rest as it is."""
+    z = _MODIFIER_ID[(stage, "none", False)]
+    rows = assign // N_MODIFIERS
+    ok = (prep.options.dp[rows] >= 2) & prep.modifier_ok[:, z] & (assign % N_MODIFIERS == 0)
+    return np.where(ok, rows * N_MODIFIERS + z, assign)
 
 
 def hybrid_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
@@ -959,7 +967,8 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     when the all-device group is not in the table, on the largest one-host group holding device 0. On a
     cluster of several device kinds, also on each kind's largest group (tensor parallelism over a
     heterogeneous cluster's two fastest GPUs rather than all of its devices). Every variant with tp >= 2
-    also with sequence parallelism (:func:`sequence_parallel_layouts`)."""
+    also with sequence parallelism (:func:`sequence_parallel_layouts`), and those with tp, dp >= 2 also
+    with ZeRO-1 (Megatron-LM's --use-distributed-optimizer)."""
     topo, look = prep.task.topology, prep.options.lookup()
     whole = tuple(range(topo.num_devices))
     groups = {whole: ""} if whole in prep.options.groups else {}
@@ -983,6 +992,11 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             if len(group) // dp >= 2 and sequence_parallel != layouts:
                 out[name + " sp"] = np.array([_group_action(prep, look, v, group, sequence_parallel[v], dp)
                                               for v in range(prep.graph.num_nodes)], dtype=np.int64)
+            if 2 <= dp < len(group):  # Megatron-LM's distributed optimizer over the data-parallel replicas
+                for variant in [name] + ([name + " sp"] if name + " sp" in out else []):
+                    zero = with_zero(prep, out[variant], 1)
+                    if (zero != out[variant]).any():
+                        out[variant + " zero-1"] = zero
     return out
 
 
