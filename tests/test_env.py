@@ -1109,3 +1109,25 @@ def test_expert_parallelism_over_more_replicas_than_experts():
     while env._phase() != 2 or env._node() != v:
         env.step(int(np.flatnonzero(env.action_masks())[0]) if env._phase() != 2 else int(env.assignment[env._node()]))
     assert env.action_masks()[o * N_MODIFIERS + k]
+
+
+def test_template_stage_times_are_the_simulators_op_times():
+    """The refine starts balance pipeline stages and list-schedule groups by each group's forward +
+    backward time on a device as the simulator's op-time model gives it (once per device kind), not by
+    the policy features' roofline estimate."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import single_device_times
+    from envs.sim.cost import node_times
+
+    topo = preset("hetero")
+    g = transformer_graph(layers=2, hidden=256, heads=4, seq=64, vocab=500, batch=8)
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=12, max_devices=8)
+    env.reset(seed=0)
+    prep = env.prepared
+    single, ok, tau = single_device_times(prep)
+    for d in (0, 2, 4):  # an A100, a V100, a T4
+        plan = prep.plan(np.full(prep.graph.num_nodes, single[d] * N_MODIFIERS), 1, "1f1b", 1, "test")
+        t = node_times(g, topo, plan, 1.0)
+        want = np.bincount(prep.grouping.group_of, weights=t.fwd + t.bwd, minlength=prep.graph.num_nodes)
+        np.testing.assert_allclose(tau[ok[:, d], d], want[ok[:, d]], rtol=1e-12)
+    assert (tau[:, 0] == tau[:, 1]).all()  # the same kind, the same times

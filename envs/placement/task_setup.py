@@ -47,6 +47,7 @@ from envs.plan import (
     stage_cuts,
     standard_plans,
 )
+from envs.sim.cost import node_times
 from envs.tasks import Task
 
 REFERENCE_PLANS = ("single_device", "data_parallel")  # the envs.plan templates T_ref is the better of
@@ -123,6 +124,7 @@ class PreparedTask:
     ref: dict | None = None  # reference(), once computed
     start: RefineStart | None = None  # refine_start(), once computed
     expert_state_factors: dict = field(default_factory=dict)  # experts per layer -> state_factor()
+    single_times: np.ndarray | None = None  # single_device_times(), once computed
 
     def state_factor(self, v: int) -> np.ndarray:
         """[P, K] model states node ``v`` keeps per member under each placement and modifier: the ZeRO
@@ -785,12 +787,30 @@ def list_schedule_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
 
 def single_device_times(prep: PreparedTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the placement id of each device alone [nd], whether each group may go there [n, nd], each group's
-    roofline time there [n, nd]: ``time_single`` x ``2**speed``, inf where not allowed)."""
-    look, nd = prep.options.lookup(), prep.task.topology.num_devices
+    compute time there [n, nd]: its operators' forward + backward times on that device by the simulator's
+    op-time model (``envs.sim.cost.node_times``, once per device kind), inf where not allowed). The
+    roofline estimate the policy's features use (``time_single`` x ``2**speed``) was 2-3x off and
+    distributed differently (a ConvNeXt's first 23 of 120 groups: 21% of the roofline time on a V100, 53%
+    of the simulated), so pipelines cut by it were unbalanced (its V100 + 2 x T4 pipeline: 742 ms vs
+    PipeDream's 573 ms)."""
+    look, topo = prep.options.lookup(), prep.task.topology
+    nd = topo.num_devices
     single = np.array([look[((d,), "single", 1)] for d in range(nd)], dtype=np.int64)  # every device alone
     ok = prep.allowed[:, single]
-    tau = np.where(ok, prep.time_single[:, None] * np.exp2(prep.speed[:, single].astype(np.float64)), np.inf)
-    return single, ok, tau
+    if prep.single_times is None:
+        fine = prep.task.graph
+        group_of = prep.grouping.group_of if prep.grouping is not None else np.arange(fine.num_nodes)
+        times = np.empty((prep.graph.num_nodes, nd))
+        by_kind: dict[str, np.ndarray] = {}
+        for d in range(nd):
+            kind = topo.devices[d].kind
+            if kind not in by_kind:
+                plan = prep.plan(np.full(prep.graph.num_nodes, single[d] * N_MODIFIERS), 1, "1f1b", 1, "times")
+                t = node_times(fine, topo, plan, plan.batch(fine) / max(int(fine.batch_size), 1))
+                by_kind[kind] = np.bincount(group_of, weights=t.fwd + t.bwd, minlength=prep.graph.num_nodes)
+            times[:, d] = by_kind[kind]
+        prep.single_times = times
+    return single, ok, np.where(ok, prep.single_times, np.inf)
 
 
 def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
