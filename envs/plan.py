@@ -620,6 +620,13 @@ def megatron_layouts(graph: OpGraph) -> list[str]:
     return layouts
 
 
+def sequence_parallel_layouts(layouts: list[str], splittable) -> list[str]:
+    """Megatron-LM's sequence parallelism (Korthikanti et al., 2022): the nodes ``layouts`` replicates
+    between the tensor-parallel regions (norms, dropouts, residual adds) sequence-split instead where
+    ``splittable`` says they may be."""
+    return ["seq_split" if lay == "replicate" and splittable[v] else lay for v, lay in enumerate(layouts)]
+
+
 def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 1, dp: int = 1,
              microbatch_size: int | None = None, global_batch: int | None = None, schedule: str = "1f1b",
              recompute: str | bool = "none", dtype: str = "bf16", zero: int = 0, sequence_parallel: bool = False,
@@ -687,8 +694,7 @@ def megatron_plan(graph: OpGraph, topology: Topology, *, tp: int = 1, pp: int = 
         if "heads" not in graph.meta and "seq" not in graph.meta:
             raise PlanError(f"sequence parallelism needs a sequence model (graph {graph.name!r} records no "
                             "attention heads or sequence length)")
-        can = sequence_splittable(graph)
-        layouts = ["seq_split" if lay == "replicate" and can[v] else lay for v, lay in enumerate(layouts)]
+        layouts = sequence_parallel_layouts(layouts, sequence_splittable(graph))
     width = tp * dp
     groups, dps, lays = [], [], []
     for v in range(graph.num_nodes):

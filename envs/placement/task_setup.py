@@ -43,6 +43,7 @@ from envs.plan import (
     expert_layers,
     megatron_layouts,
     plan_defaults,
+    sequence_parallel_layouts,
     sequence_splittable,
     stage_cuts,
     standard_plans,
@@ -950,13 +951,14 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     its group with Megatron's layouts (tp = the group's size), data parallel over it, or tensor parallel x
     data parallel inside it at every data-parallel degree the table offers there (Megatron-LM's
     tp x pp x dp), the tensor-parallel ones also with sequence parallelism
-    (:func:`sequence_parallel_layouts`); a layout the table does not offer or a group may not take becomes ``replicate``, then
+    (:func:`envs.plan.sequence_parallel_layouts`, where every operator of a group may be sequence-split);
+    a layout the table does not offer or a group may not take becomes ``replicate``, then
     the group's first device alone. On a cluster of several device kinds, also the same over each kind's
     devices alone (a heterogeneous cluster's GPUs without its CPUs; megatron_3d likewise uses a subset)."""
     look, topo, n = prep.options.lookup(), prep.task.topology, prep.graph.num_nodes
     groups = list(dict.fromkeys(prep.options.groups))
     layouts = megatron_layouts(prep.graph)
-    sequence_parallel = sequence_parallel_layouts(prep, layouts)
+    sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
     pools = {tuple(range(topo.num_devices)): ""}
     by_kind = topo.devices_by_kind()
     for kind, members in by_kind.items() if len(by_kind) > 1 else ():
@@ -995,7 +997,8 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     when the all-device group is not in the table, on the largest one-host group holding device 0. On a
     cluster of several device kinds, also on each kind's largest group (tensor parallelism over a
     heterogeneous cluster's two fastest GPUs rather than all of its devices). Every variant with tp >= 2
-    also with sequence parallelism (:func:`sequence_parallel_layouts`), and those with tp, dp >= 2 also
+    also with sequence parallelism (:func:`envs.plan.sequence_parallel_layouts`, where every operator of a
+    group may be sequence-split), and those with tp, dp >= 2 also
     with ZeRO-1 (Megatron-LM's --use-distributed-optimizer)."""
     topo, look = prep.task.topology, prep.options.lookup()
     whole = tuple(range(topo.num_devices))
@@ -1010,7 +1013,7 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             largest = max(same, key=len)
             groups.setdefault(largest, f"{kind} x{len(largest)} ")
     layouts = megatron_layouts(prep.graph)
-    sequence_parallel = sequence_parallel_layouts(prep, layouts)
+    sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
     out = {}
     for group, label in groups.items():
         for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
@@ -1026,13 +1029,6 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
                     if (zero != out[variant]).any():
                         out[variant + " zero-1"] = zero
     return out
-
-
-def sequence_parallel_layouts(prep: PreparedTask, layouts: list[str]) -> list[str]:
-    """Megatron-LM's sequence parallelism (Korthikanti et al., 2022): the groups ``layouts`` replicates
-    between the tensor-parallel regions (norms, dropouts, residual adds) sequence-split instead where
-    every operator of the group may be (``envs.plan.megatron_plan``'s ``sequence_parallel``)."""
-    return ["seq_split" if lay == "replicate" and prep.stats.seq_ok[v] else lay for v, lay in enumerate(layouts)]
 
 
 def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
