@@ -19,6 +19,7 @@ import numpy as np
 from envs.errors import PlanError, RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import CAN_BATCH, CAN_COL, CAN_REPLICATE, CAN_ROW, OpGraph
+from envs.graph_partition import units
 from envs.plan import DTYPE_BYTES, Plan, plan_defaults
 from envs.sim import OBJECTIVES, node_times
 from envs.topology import Topology
@@ -200,27 +201,6 @@ def best_of(scorer: Scorer, plans: Sequence[Plan]) -> tuple[Plan, Outcome]:
 
 
 # ---------------------------------------------------------------------- constraints
-def units(graph: OpGraph) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Placement units: a co-location class, or a node of no class. Returns (unit of node, nodes of unit)
-    with units numbered in order of their first node in topological order."""
-    n = graph.num_nodes
-    unit = np.full(n, -1, dtype=np.int64)
-    of_class: dict[int, int] = {}
-    members: list[list[int]] = []
-    for v in graph.topological_order().tolist():
-        c = int(graph.colocation[v])
-        if c >= 0 and c in of_class:
-            u = of_class[c]
-        else:
-            u = len(members)
-            members.append([])
-            if c >= 0:
-                of_class[c] = u
-        unit[v] = u
-        members[u].append(v)
-    return unit, [np.asarray(m, dtype=np.int64) for m in members]
-
-
 def allowed_devices(graph: OpGraph, topology: Topology) -> np.ndarray:
     """Boolean (nodes x devices): where each node may run (``meta["cpu_only"]`` nodes only on CPUs)."""
     ok = np.ones((graph.num_nodes, topology.num_devices), dtype=bool)

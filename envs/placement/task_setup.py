@@ -27,6 +27,8 @@ import numpy as np
 from envs.errors import EnvError, PlanError
 from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
+from envs.graph_partition import metis_parts
+from envs.placement.cut_search import StagedStart, moved_cuts
 from envs.placement.list_schedule import favourite_parents, list_schedule
 from envs.placement.observation import GroupStats, static_features
 from envs.placement.options import MODIFIERS, N_MODIFIERS, OptionTable, decision_order, expert_parallel_degree
@@ -56,6 +58,7 @@ ZERO = np.array([m.zero for m in MODIFIERS], dtype=np.int64)
 RECOMPUTE_MODE = np.array([RECOMPUTE.index(m.recompute) for m in MODIFIERS], dtype=np.int64)
 EXPERT_PARALLEL = np.array([m.expert_parallel for m in MODIFIERS], dtype=bool)
 _MODIFIER_ID = {(m.zero, m.recompute, m.expert_parallel): k for k, m in enumerate(MODIFIERS)}
+CUT_SEARCH_EVALUATIONS = 12  # simulations with_moved_cuts may spend on a pipeline start's boundaries
 SPLIT_LAYOUTS = [LAYOUTS.index(x) for x in ("col_split", "row_split", "seq_split")]
 
 
@@ -126,6 +129,7 @@ class PreparedTask:
     start: RefineStart | None = None  # refine_start(), once computed
     expert_state_factors: dict = field(default_factory=dict)  # experts per layer -> state_factor()
     single_times: np.ndarray | None = None  # single_device_times(), once computed
+    staged: dict = field(default_factory=dict)  # start name -> StagedStart, the pipeline starts of start_assignments
 
     def state_factor(self, v: int) -> np.ndarray:
         """[P, K] model states node ``v`` keeps per member under each placement and modifier: the ZeRO
@@ -543,6 +547,8 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
         device_groups = np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0]
         pipeline = device_groups > 1
+        if _compute_exceeds(prep, assign, best):
+            continue
         mine = None
         for mb_idx in np.flatnonzero(fits).tolist():  # counts ascending
             res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
@@ -568,7 +574,39 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
             best = mine
     if best is None:  # pragma: no cover - the single-device plan always works with microbatch 1
         raise EnvError(f"task {prep.task.name!r}: no heuristic start plan is expressible")
+    if best.name in prep.staged:
+        best = with_moved_cuts(prep, scoring, best, ref["time"], placer)
     prep.start = best
+    return best
+
+
+def with_moved_cuts(prep: PreparedTask, scoring: Scoring, start: RefineStart, ref_time: float,
+                    placer: str) -> RefineStart:
+    """A pipeline start with its stage boundaries hill-climbed by the simulator: a boundary moves one
+    place (:func:`envs.placement.cut_search.moved_cuts`) while that improves the start at its microbatch
+    count and schedule, at most :data:`CUT_SEARCH_EVALUATIONS` evaluations (the cut balanced by compute
+    is not always the fastest one, :mod:`envs.placement.cut_search`)."""
+    staged = prep.staged[start.name]
+    stage, best, evaluations, improved = staged.stage, start, 0, True
+    while improved and evaluations < CUT_SEARCH_EVALUATIONS:
+        improved = False
+        for moved in moved_cuts(prep.graph, stage):
+            if evaluations >= CUT_SEARCH_EVALUATIONS:
+                break
+            assign = staged.build(moved)
+            for mem in prep.class_members:
+                assign[mem] = assign[mem[0]]
+            if not prep.mb_ok[best.mb_idx, assign // N_MODIFIERS].all():
+                continue
+            evaluations += 1
+            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[best.mb_idx]),
+                                                   SCHEDULES[best.schedule], 1, placer))
+            r = plan_reward(res, ref_time)
+            if r > best.reward:
+                best = RefineStart(name=f"{start.name} (cuts moved)", assign=assign, reward=r, mb_idx=best.mb_idx,
+                                   result=res, schedule=best.schedule)
+                stage, improved = moved, True
+                break
     return best
 
 
@@ -583,6 +621,23 @@ def _cannot_win(first: EvalResult, device_groups: int, best: RefineStart | None)
     return float(first.value) / device_groups >= float(best.result.value)
 
 
+def _compute_exceeds(prep: PreparedTask, assign: np.ndarray, best: RefineStart | None) -> bool:
+    """Whether a candidate that puts every group on one device alone cannot beat ``best`` (which fits in
+    memory) at any microbatch count, by compute alone: some device's groups take at least ``best``'s
+    time there (:func:`single_device_times`; microbatching splits that work, it does not shrink it), so
+    no simulation is needed (a GPT's 2-stage pipeline on 8 GPUs against data parallelism)."""
+    if best is None or best.result.oom:
+        return False
+    rows = assign // N_MODIFIERS
+    devices = prep.options.devices[rows]
+    if (devices.sum(axis=1) != 1).any():
+        return False
+    _, _, tau = single_device_times(prep)
+    on = np.argmax(devices, axis=1)
+    load = np.bincount(on, weights=tau[np.arange(on.size), on], minlength=tau.shape[1])
+    return float(load.max()) >= float(best.result.value)
+
+
 def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     """The refine start's candidates, one action per group: the reference plans expressed in the
     placement table; data parallelism over every device kind's largest group (a cluster's GPUs without
@@ -592,11 +647,13 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     tensor x data parallelism over all devices and each device kind's group (:func:`megatron_assignments`,
     one per tensor-parallel degree the table offers) and pipelines of such groups
     (:func:`staged_megatron_assignments`); and the groups on single devices: list-scheduled
-    (:func:`list_schedule_assignments`) and cut into balanced pipeline stages
-    (:func:`pipeline_assignments`), the operator placements multi-branch graphs and pipelines want; on a
+    (:func:`list_schedule_assignments`), cut into balanced pipeline stages (:func:`pipeline_assignments`)
+    and partitioned by METIS (:func:`graph_partition_assignments`), the operator placements multi-branch
+    graphs and pipelines want; on a
     cluster of several device kinds, pipelines whose stages are data parallel over each kind's devices
     (:func:`kind_pipeline_assignments`)."""
     plans = reference_plans(prep.task.graph, prep.task)
+    prep.staged.clear()  # the pipeline builders below fill it
     out = {name: express(prep, plan) for name, plan in plans.items()}
     out.update(data_parallel_assignments(prep))
     out.update(hybrid_parallel_assignments(prep))
@@ -604,6 +661,7 @@ def start_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     out.update(staged_megatron_assignments(prep))
     out.update(list_schedule_assignments(prep))
     out.update(pipeline_assignments(prep))
+    out.update(graph_partition_assignments(prep))
     out.update(kind_pipeline_assignments(prep))
     return out
 
@@ -826,23 +884,62 @@ def pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     (:func:`envs.placement.stage_partition.bottleneck_stages`; a stage holds its groups' model states plus
     the activations 1F1B keeps in flight there, the first of k stages the most, at the largest
     microbatch count the batch allows; none when no cut fits)."""
-    single, ok, tau = single_device_times(prep)
-    usable = np.flatnonzero(ok.all(axis=0))
-    n = prep.graph.num_nodes
-    if usable.size < 2 or n < 2:
-        return {}
-    total = tau.sum(axis=0)  # each device's time for all groups (inf: it may not hold some)
-    devs = usable[np.argsort(total[usable], kind="stable")]
-    counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
+    single, tau, devs, counts = _devices_by_speed(prep)
+    total = tau.sum(axis=0)
     units = _PipelineUnits.of(prep, tau)
-    out = {}
-    for k in (k for k in counts if k <= n):
+    out: dict[str, np.ndarray] = {}
+    for k in counts:
+        def build(stage: np.ndarray, on: np.ndarray = devs[:k]) -> np.ndarray:
+            return single[on[stage]] * N_MODIFIERS
+
         even = contiguous_stages(prep.graph, k, weights=tau[:, devs[0]], shares=total[devs[0]] / total[devs[:k]])
-        out[f"pipeline {k} stages"] = single[devs[even]] * N_MODIFIERS
+        _add_staged(prep, out, f"pipeline {k} stages", even, build)
         stage = units.min_max(prep, devs[:k], np.ones(k))
         if stage is not None and not np.array_equal(stage, even):
-            out[f"pipeline {k} stages min-max"] = single[devs[stage]] * N_MODIFIERS
+            _add_staged(prep, out, f"pipeline {k} stages min-max", stage, build)
     return out
+
+
+def _devices_by_speed(prep: PreparedTask) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """(the placement id of each device alone, each group's time on each device (:func:`single_device_times`),
+    the devices that may hold every group, fastest first (ties in device order), the device counts k the
+    operator-placing starts try: 2, 4, 8, ... and all of them, at most one per group)."""
+    single, ok, tau = single_device_times(prep)
+    usable = np.flatnonzero(ok.all(axis=0))
+    total = tau.sum(axis=0)  # each device's time for all groups (inf: it may not hold some)
+    devs = usable[np.argsort(total[usable], kind="stable")]
+    n = prep.graph.num_nodes
+    counts = sorted({k for k in (2 ** np.arange(1, 7)).tolist() if k < devs.size} | {int(devs.size)})
+    return single, tau, devs, [k for k in counts if 2 <= k <= n]
+
+
+def graph_partition_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
+    """METIS k-way partitions of the groups (:func:`envs.graph_partition.metis_parts`: the least bytes cut
+    with parts balanced by compute), part i on the i-th fastest device that may hold every group, each
+    part's share of the work its device's share of the speed, k = 2, 4, 8, ... and all of them: the
+    placements of multi-branch graphs that contiguous pipeline cuts miss (a GNMT's encoder and decoder
+    LSTMs on three H100s, two microbatches: 2.01 ms in 3 parts vs 2.32 ms for the best pipeline). Its
+    cut weighs the bytes crossing it, which the compute-balanced pipeline cuts do not (that GNMT's best
+    partition is contiguous: a pipeline they missed)."""
+    single, tau, devs, counts = _devices_by_speed(prep)
+    total = tau.sum(axis=0)
+    out: dict[str, np.ndarray] = {}
+    for k in counts:
+        speed = 1.0 / total[devs[:k]]
+        parts = metis_parts(prep.graph, k, tau[:, devs[0]], (speed / speed.sum()).tolist(), seed=0)
+        actions = single[devs[parts]] * N_MODIFIERS
+        if not any((actions == a).all() for a in out.values()):
+            out[f"graph partition {k} parts"] = actions
+    return out
+
+
+def _add_staged(prep: PreparedTask, out: dict[str, np.ndarray], name: str, stage: np.ndarray,
+                build) -> np.ndarray:
+    """``out[name]`` = the pipeline start ``build(stage)``, remembered with its stages in ``prep.staged``
+    (:func:`with_moved_cuts` moves its boundaries)."""
+    out[name] = build(stage)
+    prep.staged[name] = StagedStart(stage=stage, build=build)
+    return out[name]
 
 
 def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
@@ -878,15 +975,16 @@ def kind_pipeline_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             stage = units.min_max(prep, np.array([g[0] for g in groups]), np.array([len(g) for g in groups], float))
             if stage is None:
                 continue
-            actions = np.empty(n, dtype=np.int64)
-            for v in range(n):
-                g = groups[int(stage[v])]
-                actions[v] = (_group_action(prep, look, v, g, "batch_split", len(g)) if len(g) > 1
-                              else single[g[0]] * N_MODIFIERS)
+            def build(stage: np.ndarray, groups: list = groups) -> np.ndarray:
+                on = [groups[int(s)] for s in stage.tolist()]
+                return np.array([_group_action(prep, look, v, g, "batch_split", len(g)) if len(g) > 1
+                                 else single[g[0]] * N_MODIFIERS for v, g in enumerate(on)], dtype=np.int64)
+
+            actions = build(stage)
             if any((actions == a).all() for a in out.values()):
                 continue
             name = " | ".join(f"{topo.devices[g[0]].kind} x{len(g)}" for g in groups)
-            out[f"pipeline over device kinds {name}{suffix}"] = actions
+            _add_staged(prep, out, f"pipeline over device kinds {name}{suffix}", stage, build)
     return out
 
 
@@ -984,9 +1082,13 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
                 chosen = [("", layouts)] + ([(" sp", sequence_parallel)] if dp < size and sequence_parallel != layouts
                                             else [])
                 for suffix, lay in chosen:
-                    out[f"pipeline {k} stages x {label}megatron {name}{suffix}"] = np.array(
-                        [_group_action(prep, look, v, cover[int(stage[v])], "batch_split" if dp == size else lay[v],
-                                       dp) for v in range(n)], dtype=np.int64)
+                    def build(st: np.ndarray, cover: list = cover, dp: int = dp, lay: list = lay,
+                              size: int = size) -> np.ndarray:
+                        return np.array([_group_action(prep, look, v, cover[int(st[v])],
+                                                       "batch_split" if dp == size else lay[v], dp)
+                                         for v in range(n)], dtype=np.int64)
+
+                    _add_staged(prep, out, f"pipeline {k} stages x {label}megatron {name}{suffix}", stage, build)
     return out
 
 

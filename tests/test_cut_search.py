@@ -1,0 +1,99 @@
+"""Moving a pipeline start's stage boundaries (envs.placement.cut_search, task_setup.with_moved_cuts)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from envs.evaluator import EvalResult
+from envs.examples import transformer_graph
+from envs.placement import task_setup
+from envs.placement.cut_search import cut_positions, moved_cuts, stages_from_cuts
+from envs.placement.env import PlacementEnv
+from envs.plan import contiguous_stages, stage_cuts
+from envs.presets import preset
+from envs.tasks import Task
+
+
+def test_moved_cuts_move_one_boundary_to_the_next_layer_either_way():
+    g = transformer_graph(layers=6, hidden=64, heads=2, seq=16, vocab=100, batch=4)
+    stage = contiguous_stages(g, 3)
+    cuts = cut_positions(g, stage)
+    assert np.array_equal(stages_from_cuts(g, cuts), stage)
+    places = stage_cuts(g, 3).tolist()
+    moved = moved_cuts(g, stage)
+    assert len(moved) == 4  # two inner boundaries, each one layer earlier and one later
+    order = g.topological_order()
+    for m in moved:
+        assert (np.diff(m[order]) >= 0).all() and set(m.tolist()) == {0, 1, 2}
+        new = cut_positions(g, m)
+        changed = np.flatnonzero(new != cuts)
+        assert changed.size == 1
+        i = int(changed[0])
+        assert abs(places.index(int(new[i])) - places.index(int(cuts[i]))) == 1
+    assert moved_cuts(g, np.zeros(g.num_nodes, dtype=np.int64)) == []
+
+
+class FavoursAStageSize:
+    """Step time = how far the first device's share of the operators is from ``share`` (+1 s)."""
+
+    def __init__(self, share: float):
+        self.share = share
+
+    def evaluate(self, graph, topology, plan, objective="step_time"):
+        first = np.mean([tuple(grp) == (0,) for grp in plan.groups])
+        n = topology.num_devices
+        return EvalResult(1.0 + abs(first - self.share), np.zeros(n), np.ones(n), False)
+
+
+def _pipeline_start(share: float):
+    g = transformer_graph(layers=8, hidden=128, heads=4, seq=32, vocab=200, batch=8)
+    env = PlacementEnv([Task(g, preset("pcie-4gpu"))], mode="refine", max_nodes=64, max_devices=4,
+                       evaluator=FavoursAStageSize(share), microbatch_choices=(1, 2))
+    return env
+
+
+def test_refine_start_moves_a_pipeline_cut_while_the_simulator_says_it_helps(monkeypatch):
+    """A pipeline start whose balanced cut is not the fastest is hill-climbed one boundary place at a time
+    (at most CUT_SEARCH_EVALUATIONS simulations) and never ends worse than it began; where the cut is
+    already the best, the start is kept as it was."""
+    real = task_setup.start_assignments
+    monkeypatch.setattr(task_setup, "start_assignments",
+                        lambda prep: {k: v for k, v in real(prep).items() if k == "pipeline 2 stages"})
+    env = _pipeline_start(share=0.3)  # the balanced cut gives device 0 about half of the operators
+    env.reset(seed=0)
+    prep = env.prepared
+    staged = prep.staged["pipeline 2 stages"]
+    before = FavoursAStageSize(0.3).evaluate(None, prep.task.topology,
+                                             prep.plan(staged.build(staged.stage), 1, "1f1b", 1, "t"))
+    start = prep.start
+    assert start.name == "pipeline 2 stages (cuts moved)"
+    assert start.result.value < before.value
+    first = prep.plan(start.assign, 1, "1f1b", 1, "t")
+    assert np.mean([tuple(grp) == (0,) for grp in first.groups]) < 0.5
+
+    balanced = prep.plan(staged.build(staged.stage), 1, "1f1b", 1, "t")
+    env = _pipeline_start(share=float(np.mean([tuple(grp) == (0,) for grp in balanced.groups])))
+    env.reset(seed=0)
+    assert env.prepared.start.name == "pipeline 2 stages"
+
+
+def test_graph_partition_starts_put_each_metis_part_on_its_own_fast_device():
+    """The METIS starts: k = 2, 4, ... parts of the groups, each part on one device alone (the fastest
+    first), the work shared by speed; the same partitions every time (METIS is seeded)."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import graph_partition_assignments
+    from envs.tasks import default_tasks
+
+    t = default_tasks(names=["branching-cnn"])[0]
+    env = PlacementEnv([Task(t.graph, preset("hetero"), batch=t.batch)], mode="refine", max_nodes=40, max_devices=8)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = graph_partition_assignments(prep)
+    assert starts and all(name.startswith("graph partition ") for name in starts)
+    for name, assign in starts.items():
+        k = int(name.split()[2])
+        rows = assign // N_MODIFIERS
+        assert (assign % N_MODIFIERS == 0).all() and (prep.options.devices[rows].sum(axis=1) == 1).all()
+        assert np.unique(np.argmax(prep.options.devices[rows], axis=1)).size == k
+    again = graph_partition_assignments(prep)
+    assert all(np.array_equal(starts[k], again[k]) for k in starts)
