@@ -531,7 +531,9 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
     allow, with the 1F1B schedule and no interleaving (a candidate on several device groups, a pipeline,
     also with GPipe at its best count), the one with the best reward (the count matters: one microbatch
     of a large batch can overflow memory where four fit). Counts go up from the smallest: a one-stage
-    candidate stops at the first that fits, a pipeline tries them all."""
+    candidate stops at the first that fits, a pipeline tries them all, and a candidate that cannot win
+    (:func:`_compute_exceeds`, :func:`_cannot_win`) stops early. A pipeline start that wins then has its
+    stage boundaries moved while the simulator says it helps (:func:`with_moved_cuts`)."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
