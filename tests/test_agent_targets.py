@@ -106,3 +106,40 @@ def test_search_seeds_bad_arguments_exit_2_before_any_work(tmp_path, capsys):
         assert exc.value.code == 2
     assert main(["--policy", str(tmp_path / "missing.zip"), "--out", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_user_model_benchmark_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path, capsys):
+    from experiments.bench_user_models import main
+
+    for argv in (["--models", "no-such-model"], ["--clusters", "no-such-preset"], ["--policy", str(tmp_path / "x.zip")]):
+        assert main(argv + ["--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_user_model_benchmark_skips_files_whose_optional_package_is_missing(monkeypatch):
+    import importlib.util
+
+    import experiments.bench_user_models as bench
+
+    stems, skipped = bench.model_files(None)
+    assert {"mixer", "wavenet", "perceiver", "moe_top2"} <= set(stems) and not set(stems) & set(skipped)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    stems2, skipped2 = bench.model_files(None)
+    hf = {p.stem for p in bench.MODELS_DIR.glob("*.py") if "transformers" in p.read_text()}
+    assert set(skipped2) == hf and "pip install -e '.[hf]'" in "".join(skipped2.values())
+    assert set(stems2) == (set(stems) | set(skipped)) - hf
+
+
+def test_user_model_benchmark_report_counts_cases_below_0_90():
+    from experiments.bench_user_models import markdown, summary
+
+    rows = [{"model": m, "cluster": "pcie-4gpu", "ops": 10, "devices": 4, "heuristic": "data_parallel",
+             "heuristic_ms": 10.0, "heuristic_oom": False, "policy_ms": 10.0 / r, "policy_oom": False,
+             "policy_plan": "policy greedy", "ratio": r, "seconds": 1.0} for m, r in (("a", 1.1), ("b", 0.8))]
+    res = summary(rows, {"c": "needs transformers"})
+    assert res["below_0_90"] == 1 and res["min"] == 0.8 and abs(res["geomean"] - (1.1 * 0.8) ** 0.5) < 1e-12
+    md = markdown(res)
+    assert md.index("| b |") < md.index("| a |") and "Skipped: c (needs transformers)" in md

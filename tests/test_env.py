@@ -1021,6 +1021,13 @@ def test_megatron_starts_with_sequence_parallelism_and_tensor_x_data_parallel_st
     mixed = starts["pipeline 2 stages x megatron tp4 dp2"] // N_MODIFIERS
     assert {int(opts.dp[r]) for r in mixed} == {2} and {len(opts.groups[r]) for r in mixed} == {8}
     assert {LAYOUTS[opts.layout[r]] for r in mixed} >= {"col_split", "row_split"}
+    # the data-parallel pipeline stages also with ZeRO-1 (Megatron-LM's distributed optimizer with pp)
+    for name in ("pipeline 2 stages x megatron tp4 dp2", "pipeline 2 stages x megatron dp8"):
+        plain, zero = starts[name], starts[f"{name} zero-1"]
+        assert (plain // N_MODIFIERS == zero // N_MODIFIERS).all()
+        weighted = prep.modifier_ok[:, 3] & (opts.dp[plain // N_MODIFIERS] >= 2)
+        assert weighted.any() and {MODIFIERS[m].zero for m in zero[weighted] % N_MODIFIERS} == {1}
+    assert "pipeline 2 stages x megatron tp8 zero-1" not in starts  # no data-parallel replicas
 
 
 def test_staged_megatron_starts_over_one_device_kind_of_a_mixed_cluster():

@@ -59,6 +59,7 @@ RECOMPUTE_MODE = np.array([RECOMPUTE.index(m.recompute) for m in MODIFIERS], dty
 EXPERT_PARALLEL = np.array([m.expert_parallel for m in MODIFIERS], dtype=bool)
 _MODIFIER_ID = {(m.zero, m.recompute, m.expert_parallel): k for k, m in enumerate(MODIFIERS)}
 CUT_SEARCH_EVALUATIONS = 12  # simulations with_moved_cuts may spend on a pipeline start's boundaries
+CUT_SEARCH_MARGIN = 0.10  # a pipeline start this much slower than the best start still has its cuts moved
 SPLIT_LAYOUTS = [LAYOUTS.index(x) for x in ("col_split", "row_split", "seq_split")]
 
 
@@ -532,8 +533,9 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
     also with GPipe at its best count), the one with the best reward (the count matters: one microbatch
     of a large batch can overflow memory where four fit). Counts go up from the smallest: a one-stage
     candidate stops at the first that fits, a pipeline tries them all, and a candidate that cannot win
-    (:func:`_compute_exceeds`, :func:`_cannot_win`) stops early. A pipeline start that wins then has its
-    stage boundaries moved while the simulator says it helps (:func:`with_moved_cuts`)."""
+    (:func:`_compute_exceeds`, :func:`_cannot_win`) stops early. The best pipeline start then has its
+    stage boundaries moved while the simulator says it helps (:func:`with_moved_cuts`) when it won, or
+    came within :data:`CUT_SEARCH_MARGIN` of the start that did (and wins if it overtakes it)."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
@@ -542,7 +544,7 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         if not cands:
             raise EnvError(f"task {prep.task.name!r}: refine_init {refine_init!r} is not expressible here")
     ref = reference(prep, scoring)
-    best = None
+    best = best_staged = None
     for name, assign in cands.items():
         for mem in prep.class_members:  # a co-located class follows its first member
             assign[mem] = assign[mem[0]]
@@ -572,12 +574,18 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
             if r > mine.reward:
                 mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mine.mb_idx, result=res,
                                    schedule=SCHEDULES.index("gpipe"))
+        if mine is not None and name in prep.staged and (best_staged is None or mine.reward > best_staged.reward):
+            best_staged = mine
         if mine is not None and (best is None or mine.reward > best.reward):
             best = mine
     if best is None:  # pragma: no cover - the single-device plan always works with microbatch 1
         raise EnvError(f"task {prep.task.name!r}: no heuristic start plan is expressible")
     if best.name in prep.staged:
         best = with_moved_cuts(prep, scoring, best, ref["time"], placer)
+    elif (best_staged is not None and not best_staged.result.oom and not best.result.oom
+          and best_staged.result.value <= best.result.value * (1 + CUT_SEARCH_MARGIN)):
+        moved = with_moved_cuts(prep, scoring, best_staged, ref["time"], placer)
+        best = moved if moved.reward > best.reward else best
     prep.start = best
     return best
 
@@ -1051,7 +1059,8 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     its group with Megatron's layouts (tp = the group's size), data parallel over it, or tensor parallel x
     data parallel inside it at every data-parallel degree the table offers there (Megatron-LM's
     tp x pp x dp), the tensor-parallel ones also with sequence parallelism
-    (:func:`envs.plan.sequence_parallel_layouts`, where every operator of a group may be sequence-split);
+    (:func:`envs.plan.sequence_parallel_layouts`, where every operator of a group may be sequence-split),
+    those with data-parallel replicas also with ZeRO-1 (Megatron-LM's distributed optimizer);
     a layout the table does not offer or a group may not take becomes ``replicate``, then
     the group's first device alone. On a cluster of several device kinds, also the same over each kind's
     devices alone (a heterogeneous cluster's GPUs without its CPUs; megatron_3d likewise uses a subset)."""
@@ -1090,7 +1099,13 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
                                                        "batch_split" if dp == size else lay[v], dp)
                                          for v in range(n)], dtype=np.int64)
 
-                    _add_staged(prep, out, f"pipeline {k} stages x {label}megatron {name}{suffix}", stage, build)
+                    start = f"pipeline {k} stages x {label}megatron {name}{suffix}"
+                    plain = _add_staged(prep, out, start, stage, build)
+                    if dp >= 2 and (with_zero(prep, plain, 1) != plain).any():
+                        def build_zero(st: np.ndarray, build=build) -> np.ndarray:
+                            return with_zero(prep, build(st), 1)
+
+                        _add_staged(prep, out, f"{start} zero-1", stage, build_zero)
     return out
 
 

@@ -1,6 +1,7 @@
 """MLP-Mixer (Tolstikhin et al., NeurIPS 2021): patch embedding, then blocks of token-mixing and
-channel-mixing MLPs. A user model file for the zero-shot benchmark (``experiments/bench_agent.py``): no
-family like it is in the training distribution."""
+channel-mixing MLPs. A user model file for the zero-shot benchmarks
+(``experiments/bench_agent.py``, ``experiments/bench_user_models.py``): no family like it is in the training
+distribution."""
 
 import torch
 import torch.nn as nn

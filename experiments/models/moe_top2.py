@@ -1,7 +1,7 @@
 """A mixture-of-experts language model as users often write it (Shazeer et al., ICLR 2017; Mixtral's top-2
 routing): a softmax gate keeps each token's top-k experts and every expert runs on every token, masked by
-its gate weight (dense dispatch, no capacity). A user model file for the zero-shot benchmark
-(``experiments/bench_agent.py``)."""
+its gate weight (dense dispatch, no capacity). A user model file for the zero-shot benchmarks
+(``experiments/bench_agent.py``, ``experiments/bench_user_models.py``)."""
 
 import torch
 import torch.nn as nn

@@ -1,6 +1,6 @@
 """A Perceiver-style model (Jaegle et al., ICML 2021): a small latent array cross-attends to a long input,
-then a latent self-attention tower. A user model file for the zero-shot benchmark
-(``experiments/bench_agent.py``)."""
+then a latent self-attention tower. A user model file for the zero-shot benchmarks
+(``experiments/bench_agent.py``, ``experiments/bench_user_models.py``)."""
 
 import torch
 import torch.nn as nn

@@ -1,6 +1,6 @@
 """A WaveNet-style stack (van den Oord et al., 2016): dilated causal 1-D convolutions with gated
 activations, residual and skip connections summed over every layer (a graph with one long skip fan-in).
-A user model file for the zero-shot benchmark (``experiments/bench_agent.py``)."""
+A user model file for the zero-shot benchmarks (``experiments/bench_agent.py``, ``experiments/bench_user_models.py``)."""
 
 import torch
 import torch.nn as nn

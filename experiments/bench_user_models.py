@@ -1,0 +1,176 @@
+"""Zero-shot placement of user model files: every model file in ``experiments/models/`` on several clusters.
+
+    python -m experiments.bench_user_models [--models convnext,tcn] [--clusters "dgx-a100-80g;hetero"]
+                                            [--policy P.zip] [--out experiments/results/agent] [--ray]
+
+What a user does with a model of their own: ``rlplace profile my_model.py:build`` and ``rlplace place``.
+Per model file x cluster preset: the shipped policy's best of greedy + 8 samples vs the best fast
+heuristic, ratio = heuristic / policy (> 1: the policy is faster; a policy plan that overflows memory
+where the heuristic fits counts 0) -- target (a)'s measurement of ``bench_agent.py`` on more user files
+(architectures outside the zoo: ConvNeXt, an LSTM language model, a GCN, a Whisper-like encoder-decoder,
+DLRM with ``EmbeddingBag``, a gated-convolution language model, a conv VAE, a CRNN, an MAE, a TCN, an FPN
+detector, an EfficientNet, ``nn.Transformer`` seq2seq, Hugging Face GPT-2 and Mixtral, MLP-Mixer,
+WaveNet, Perceiver, a top-2 mixture of experts), without (a)'s untrained-network ablation. A file that
+needs an optional package that is not installed (``transformers``: the ``[hf]`` extra) is listed as
+skipped. Writes ``user_models.json``, ``.md`` and a heat map ``.png`` into ``--out`` atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.bench_agent import OUT, _geo, _ratio  # noqa: E402
+
+MODELS_DIR = ROOT / "experiments" / "models"
+CLUSTERS = ("dgx-a100-80g", "pcie-4gpu", "hetero", "a100-80g-cluster:nodes=2")
+OPTIONAL = {"transformers": "hf"}  # a package a model file may import -> the extra that installs it
+
+
+def model_files(names: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """(the model files to place, by stem; {skipped stem: why}) -- every ``*.py`` of ``experiments/models/``
+    (or ``names``), skipping those that import an optional package that is not installed."""
+    found = sorted(p.stem for p in MODELS_DIR.glob("*.py") if not p.stem.startswith("_"))
+    if names:
+        unknown = sorted(set(names) - set(found))
+        if unknown:
+            raise ValueError(f"no model file {', '.join(unknown)} in {MODELS_DIR} (there are: {', '.join(found)})")
+        found = [n for n in found if n in names]
+    keep, skipped = [], {}
+    for stem in found:
+        text = (MODELS_DIR / f"{stem}.py").read_text()
+        missing = [pkg for pkg in OPTIONAL if f"import {pkg}" in text or f"from {pkg}" in text
+                   if importlib.util.find_spec(pkg) is None]
+        if missing:
+            skipped[stem] = f"needs {missing[0]} (pip install -e '.[{OPTIONAL[missing[0]]}]')"
+        else:
+            keep.append(stem)
+    return keep, skipped
+
+
+def zero_shot_case(job: tuple[str, str, str]) -> dict:
+    """One model file on one cluster: the policy's best of greedy + 8 samples vs the best fast heuristic."""
+    from agent.infer import Candidate, cached_policy, place
+    from envs.presets import resolve_topology
+    from profilers.spec import graph_from_spec
+
+    stem, cluster, policy = job
+    graph, topo = graph_from_spec(f"{MODELS_DIR / stem}.py:build"), resolve_topology(cluster)
+    t = time.perf_counter()
+    res = place(graph, topo, model=cached_policy(policy), samples=8, seed=0)
+    pol = min((c for c in res.candidates if c.kind == "policy"), key=Candidate.key)
+    base = res.best_baseline()
+    return {"model": stem, "cluster": cluster, "ops": graph.num_nodes, "devices": topo.num_devices,
+            "heuristic": base.name, "heuristic_ms": base.value * 1e3, "heuristic_oom": base.oom,
+            "policy_ms": pol.value * 1e3, "policy_oom": pol.oom, "policy_plan": pol.name,
+            "ratio": _ratio(base, pol), "seconds": round(time.perf_counter() - t, 1)}
+
+
+def summary(rows: list[dict], skipped: dict[str, str]) -> dict:
+    ratios = [r["ratio"] for r in rows]
+    models = sorted({r["model"] for r in rows})
+    return {"rows": rows, "skipped": skipped, "n": len(rows), "geomean": _geo(ratios), "min": min(ratios),
+            "below_0_90": sum(x < 0.9 for x in ratios), "wins": sum(x > 1 + 1e-9 for x in ratios),
+            "per_model": {m: _geo([r["ratio"] for r in rows if r["model"] == m]) for m in models},
+            "target": "(a)'s: geomean >= 1.00 and min >= 0.90"}
+
+
+def markdown(res: dict) -> str:
+    lines = ["# Zero-shot placement of user model files", "",
+             "`python -m experiments.bench_user_models`; the shipped policy's greedy + 8 samples vs the best fast "
+             "heuristic (ratio > 1: the policy is faster); target (a)'s: geomean >= 1.00, min >= 0.90.", "",
+             f"{res['n']} cases: geometric mean {res['geomean']:.3f}, min {res['min']:.3f}, "
+             f"{res['below_0_90']} below 0.90, {res['wins']} wins. Took {res.get('seconds', 0):.0f} s.", "",
+             "| model | cluster | ops | devices | best heuristic | heuristic ms | policy ms | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(res["rows"], key=lambda r: r["ratio"]):
+        oom = lambda flag: " (OOM)" if flag else ""
+        lines.append(f"| {r['model']} | {r['cluster']} | {r['ops']} | {r['devices']} | {r['heuristic']} | "
+                     f"{r['heuristic_ms']:.3f}{oom(r['heuristic_oom'])} | {r['policy_ms']:.3f}{oom(r['policy_oom'])} | "
+                     f"{r['ratio']:.3f} |")
+    lines += ["", "Per model: " + ", ".join(f"{m} {v:.3f}" for m, v in res["per_model"].items()) + "."]
+    if res["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{m} ({why})" for m, why in res["skipped"].items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    """A heat map of the ratios, models x clusters."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from envs.gantt import save_figure
+
+    models = sorted({r["model"] for r in res["rows"]})
+    clusters = list(dict.fromkeys(r["cluster"] for r in res["rows"]))
+    grid = np.full((len(models), len(clusters)), np.nan)
+    for r in res["rows"]:
+        grid[models.index(r["model"]), clusters.index(r["cluster"])] = r["ratio"]
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(clusters), 1 + 0.35 * len(models)))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.8, vmax=1.2, aspect="auto")
+    ax.set_xticks(range(len(clusters)), clusters, rotation=20, ha="right", fontsize=8)
+    ax.set_yticks(range(len(models)), models, fontsize=8)
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+            ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=ax, label="best heuristic / policy (zero-shot)")
+    ax.set_title(f"user model files: geomean {res['geomean']:.3f}, min {res['min']:.3f}")
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agent.infer import PRETRAINED, load_policy
+    from agent.scale import Executor
+    from envs.errors import RlplaceError
+    from envs.files import atomic_write_json, atomic_write_text
+    from envs.presets import resolve_topology
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=None, help="comma-separated model file stems (default: all)")
+    ap.add_argument("--clusters", default=";".join(CLUSTERS), help="';'-separated cluster presets")
+    ap.add_argument("--policy", default=str(PRETRAINED))
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--ray", action="store_true", help="run the cases on a local Ray instance")
+    args = ap.parse_args(argv)
+    clusters = [c for c in args.clusters.split(";") if c]
+    try:  # bad input: one line, before any work
+        stems, skipped = model_files(args.models.split(",") if args.models else None)
+        for c in clusters:
+            resolve_topology(c)
+        load_policy(args.policy)
+    except (RlplaceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not stems or not clusters:
+        print("error: no model file or no cluster to place", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    jobs = [(m, c, args.policy) for m in stems for c in clusters]
+    with Executor.from_flags(args.ray) as ex:
+        rows = ex.map(zero_shot_case, jobs)
+    res = summary(rows, skipped)
+    res["seconds"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "user_models.json", json.loads(json.dumps(res, default=float)), indent=1)
+    md = markdown(res)
+    atomic_write_text(out / "user_models.md", md)
+    plot(res, out / "user_models.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
