@@ -548,8 +548,7 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
     ref = reference(prep, scoring)
     best, pipelines = None, []
     for name, assign in cands.items():
-        for mem in prep.class_members:  # a co-located class follows its first member
-            assign[mem] = assign[mem[0]]
+        assign = _with_classes(prep, assign)
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
         device_groups = np.unique(prep.options.devices[assign // N_MODIFIERS], axis=0).shape[0]
         pipeline = device_groups > 1
@@ -557,12 +556,12 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
             continue
         mine = None
         for mb_idx in np.flatnonzero(fits).tolist():  # counts ascending
-            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), "1f1b", 1, placer))
-            r = plan_reward(res, ref["time"])
+            tried = _scored(prep, scoring, name, assign, mb_idx, "1f1b", ref["time"], placer)
+            res = tried.result
             if mine is None and _cannot_win(res, device_groups, best):
                 break  # (nor can its GPipe variant: the same work, more activations in flight)
-            if mine is None or r > mine.reward:
-                mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mb_idx, result=res)
+            if mine is None or tried.reward > mine.reward:
+                mine = tried
             # one stage: more microbatches only save memory, so the first count that fits is its best; a
             # pipeline tries every count: its bubble shrinks with the count while the microbatches' efficiency
             # and the activations in flight change, not monotonically (a 28-layer ViT on 3 stages, batch 992:
@@ -571,11 +570,8 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
                 break
         if mine is not None and pipeline:
             # a pipeline: GPipe at the best count too (no interleaved backward; more activations in flight)
-            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mine.mb_idx]), "gpipe", 1, placer))
-            r = plan_reward(res, ref["time"])
-            if r > mine.reward:
-                mine = RefineStart(name=name, assign=assign.copy(), reward=r, mb_idx=mine.mb_idx, result=res,
-                                   schedule=SCHEDULES.index("gpipe"))
+            tried = _scored(prep, scoring, name, assign, mine.mb_idx, "gpipe", ref["time"], placer)
+            mine = tried if tried.reward > mine.reward else mine
         if mine is not None and pipeline:
             pipelines.append(mine)
         if mine is not None and (best is None or mine.reward > best.reward):
@@ -606,11 +602,8 @@ def gpipe_at_every_count(prep: PreparedTask, scoring: Scoring, start: RefineStar
     for mb_idx in np.flatnonzero(fits).tolist():
         if mb_idx == start.mb_idx:
             continue  # tried with both schedules
-        res = scoring.evaluate(prep, prep.plan(start.assign, int(prep.mb_counts[mb_idx]), "gpipe", 1, placer))
-        r = plan_reward(res, ref_time)
-        if r > best.reward:
-            best = RefineStart(name=start.name, assign=start.assign, reward=r, mb_idx=mb_idx, result=res,
-                               schedule=SCHEDULES.index("gpipe"))
+        tried = _scored(prep, scoring, start.name, start.assign, mb_idx, "gpipe", ref_time, placer)
+        best = tried if tried.reward > best.reward else best
     return best
 
 
@@ -627,21 +620,32 @@ def with_moved_cuts(prep: PreparedTask, scoring: Scoring, start: RefineStart, re
         for moved in moved_cuts(prep.graph, stage):
             if evaluations >= CUT_SEARCH_EVALUATIONS:
                 break
-            assign = staged.build(moved)
-            for mem in prep.class_members:
-                assign[mem] = assign[mem[0]]
+            assign = _with_classes(prep, staged.build(moved))
             if not prep.mb_ok[best.mb_idx, assign // N_MODIFIERS].all():
                 continue
             evaluations += 1
-            res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[best.mb_idx]),
-                                                   SCHEDULES[best.schedule], 1, placer))
-            r = plan_reward(res, ref_time)
-            if r > best.reward:
-                best = RefineStart(name=f"{start.name} (cuts moved)", assign=assign, reward=r, mb_idx=best.mb_idx,
-                                   result=res, schedule=best.schedule)
-                stage, improved = moved, True
+            tried = _scored(prep, scoring, f"{start.name} (cuts moved)", assign, best.mb_idx,
+                            SCHEDULES[best.schedule], ref_time, placer)
+            if tried.reward > best.reward:
+                best, stage, improved = tried, moved, True
                 break
     return best
+
+
+def _with_classes(prep: PreparedTask, assign: np.ndarray) -> np.ndarray:
+    """``assign`` (in place) with every co-located class following its first member."""
+    for mem in prep.class_members:
+        assign[mem] = assign[mem[0]]
+    return assign
+
+
+def _scored(prep: PreparedTask, scoring: Scoring, name: str, assign: np.ndarray, mb_idx: int, schedule: str,
+            ref_time: float, placer: str) -> RefineStart:
+    """``assign`` at microbatch choice ``mb_idx`` with ``schedule`` (no interleaving), simulated and
+    rewarded as the start candidate ``name`` (keeping a copy of ``assign``)."""
+    res = scoring.evaluate(prep, prep.plan(assign, int(prep.mb_counts[mb_idx]), schedule, 1, placer))
+    return RefineStart(name=name, assign=assign.copy(), reward=plan_reward(res, ref_time), mb_idx=mb_idx,
+                       result=res, schedule=SCHEDULES.index(schedule))
 
 
 def _cannot_win(first: EvalResult, device_groups: int, best: RefineStart | None) -> bool:
