@@ -6,10 +6,10 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from envs.coarsen import METHODS, Grouping, coarse_graph, coarsen
+from envs.coarsen import METHODS, Grouping, _label_runs, _module_levels, coarse_graph, coarsen
 from envs.errors import GraphError, PlanError
 from envs.graph import CAN_BATCH, CAN_COL, CAN_ROW, OpGraph, chain_graph
-from envs.plan import Plan
+from envs.plan import Plan, megatron_layouts
 from envs.presets import dgx_a100_80g
 from experiments.bench_coarsen import layered_graph, training_graph
 
@@ -264,3 +264,37 @@ def test_100k_ops_to_512_groups_without_cutting_a_layer():
     assert coarse.num_nodes <= 512
     per_layer = grouping.group_of[_layer_of(g) >= 0].reshape(1000, 100)  # layers are contiguous op ranges
     assert (per_layer == per_layer[:, :1]).all()  # no layer cut
+
+
+def _unet():
+    from profilers.spec import graph_from_spec
+
+    return graph_from_spec("diffusion:img=32,width=32,levels=3,blocks=1,attn=1,batch=8")
+
+
+def test_auto_groups_never_mix_megatron_layouts():
+    """A U-Net's module-level groups (whole ResNet blocks) would mix column-split convolutions with
+    replicated norms; ``auto`` splits its module runs where Megatron's layout changes, at the deepest
+    module depth that still fits, so a plan with Megatron's per-operator layouts is a plan on the groups."""
+    g = _unet()
+    layouts = np.array(megatron_layouts(g))
+    _, by_module = coarsen(g, 64, "module")
+    assert any(len(set(layouts[by_module.group_of == k].tolist())) > 1 for k in range(by_module.num_groups))
+    coarse, grouping = coarsen(g, 64, "auto")
+    _assert_valid(g, coarse, grouping, 64)
+    assert grouping.info.get("layout_pure")
+    for k in range(grouping.num_groups):
+        assert len(set(layouts[grouping.group_of == k].tolist())) == 1
+    deeper = grouping.level + 1
+    if deeper < len(_module_levels(g)):  # the deepest depth that fits: one deeper does not
+        assert _label_runs(g, _module_levels(g)[deeper] * 8 + np.unique(layouts, return_inverse=True)[1]).max() >= 64
+
+
+def test_auto_mixes_layouts_only_when_no_layout_pure_grouping_fits():
+    g = _unet()
+    layouts = np.array(megatron_layouts(g))
+    runs = int(_label_runs(g, np.unique(layouts, return_inverse=True)[1]).max()) + 1  # depth 0 split by layout
+    coarse, grouping = coarsen(g, runs - 1, "auto")
+    _assert_valid(g, coarse, grouping, runs - 1)
+    assert not grouping.info.get("layout_pure")
+    assert any(len(set(layouts[grouping.group_of == k].tolist())) > 1 for k in range(grouping.num_groups))

@@ -161,3 +161,32 @@ def test_a_pipeline_start_near_the_best_is_tried_with_gpipe_at_every_count(monke
     start, prep = env.prepared.start, env.prepared
     assert start.result.value == 1.0 and int(prep.mb_counts[start.mb_idx]) == 4
     assert task_setup.SCHEDULES[start.schedule] == "gpipe"
+
+
+def test_megatron_starts_take_the_operators_layouts_on_layout_pure_groups():
+    """On groups that never mix Megatron layouts (``coarsen``'s ``auto``), the Megatron starts give every
+    operator the layout Megatron-LM gives it (``group_megatron_layouts``: each group its operators' most
+    common layout), and on a U-Net its tensor x data plan is as fast as Megatron-LM's."""
+    from envs.plan import megatron_layouts, megatron_plan
+    from envs.sim import simulate
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec("diffusion:img=32,width=32,levels=3,blocks=1,attn=1,batch=8")
+    topo = preset("dgx-a100-80g")
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=64, max_devices=8)
+    env.reset(seed=0)
+    p = env._p
+    assert p.grouping.info.get("layout_pure")
+    per_group = task_setup.group_megatron_layouts(p)
+    assert [per_group[v] for v in p.grouping.group_of.tolist()] == megatron_layouts(g)
+    mixed = np.zeros(g.num_nodes, dtype=np.int64)  # one group of every operator: its most common layout
+    mixed_prep = type("P", (), {"task": p.task, "grouping": type("G", (), {"group_of": mixed})(),
+                                "graph": type("N", (), {"num_nodes": 1})()})()
+    fine = megatron_layouts(g)
+    assert task_setup.group_megatron_layouts(mixed_prep) == [max(set(fine), key=fine.count)]
+    starts = task_setup.megatron_assignments(p)
+    name = "megatron tp2 dp4"
+    plan = p.plan(starts[name], 1, "1f1b", 1, name)
+    reference = megatron_plan(g, topo, tp=2, dp=4)
+    assert plan.layouts == reference.layouts
+    assert simulate(g, topo, plan).value <= simulate(g, topo, reference).value * 1.001

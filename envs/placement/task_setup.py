@@ -1094,7 +1094,7 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     devices alone (a heterogeneous cluster's GPUs without its CPUs; megatron_3d likewise uses a subset)."""
     look, topo, n = prep.options.lookup(), prep.task.topology, prep.graph.num_nodes
     groups = list(dict.fromkeys(prep.options.groups))
-    layouts = megatron_layouts(prep.graph)
+    layouts = group_megatron_layouts(prep)
     sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
     pools = {tuple(range(topo.num_devices)): ""}
     by_kind = topo.devices_by_kind()
@@ -1159,7 +1159,7 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
         if same:
             largest = max(same, key=len)
             groups.setdefault(largest, f"{kind} x{len(largest)} ")
-    layouts = megatron_layouts(prep.graph)
+    layouts = group_megatron_layouts(prep)
     sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
     out = {}
     for group, label in groups.items():
@@ -1176,6 +1176,19 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
                     if (zero != out[variant]).any():
                         out[variant + " zero-1"] = zero
     return out
+
+
+def group_megatron_layouts(prep: PreparedTask) -> list[str]:
+    """Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`) of the task's operators, each group taking
+    its operators' most common one (ties: the first operator's). The coarse graph's own layouts would
+    follow its groups' summed capabilities, which pair column and row splits differently."""
+    fine = megatron_layouts(prep.task.graph)
+    if prep.grouping is None:
+        return fine
+    counts: list[dict[str, int]] = [{} for _ in range(prep.graph.num_nodes)]
+    for op, v in enumerate(prep.grouping.group_of.tolist()):
+        counts[v][fine[op]] = counts[v].get(fine[op], 0) + 1
+    return [max(c, key=c.get) for c in counts]
 
 
 def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
