@@ -530,6 +530,11 @@ def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
     names = [c.name for c in res.candidates]
     assert "policy greedy (best visited)" in names and "policy sample 1 (best visited)" in names
     res.plan.validate(g, topo)
+    # with more samples, the last quarter starts from the runner-up start (the best start placed otherwise)
+    names = [c.name for c in place(g, topo, model=model, samples=4, seed=0, baselines=False).candidates]
+    assert {n for n in names if "runner-up" in n} == {f"policy sample {i} (runner-up start){s}"
+                                                      for i in (4,) for s in ("", " (best visited)")}
+    assert "policy sample 3 (best visited)" in names
 
 
 def test_place_cli_writes_plan_and_gantt(run, tmp_path):

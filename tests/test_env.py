@@ -646,6 +646,27 @@ def test_refine_episode_from_a_given_plan(small_tasks):
     assert info["best_step_time"] <= CachedSimulation().evaluate(task.graph, task.topology, plan).value + 1e-12
 
 
+def test_refine_episode_from_the_runner_up_start():
+    """reset(options={"start": "runner-up"}) starts from the best template start that places the groups
+    otherwise than the usual start (not only another ZeRO stage or recomputation), scored as refine_start
+    scored it; any other string is one clear error."""
+    from envs.placement.env import RUNNER_UP
+
+    env = PlacementEnv(default_tasks("dgx-a100-80g", names=["gpt-tiny"]), mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    p = env.prepared
+    best, runner = p.start, p.runner_up
+    assert runner is not None and runner.reward <= best.reward
+    assert (runner.assign // N_MODIFIERS != best.assign // N_MODIFIERS).any()
+    env.reset(options={"start": RUNNER_UP})
+    assert np.array_equal(env.assignment, runner.assign)
+    assert np.isclose(env.current_plan_reward, runner.reward)
+    env.reset(options={"start": None})
+    assert np.array_equal(env.assignment, best.assign)
+    with pytest.raises(EnvError, match="runner-up"):
+        env.reset(options={"start": "second"})
+
+
 def test_pipeline_starts_cut_the_order_into_balanced_stages_on_the_fastest_devices():
     from envs.placement.task_setup import pipeline_assignments, single_device_times, start_assignments
 

@@ -69,7 +69,11 @@ cached per task object; this module only runs episodes.
 
 ``reset(options={"task": task})`` places a given task instead of drawing one (e.g. for evaluation); in
 refine mode ``options={"start": plan}`` starts the episode from that plan as the action table expresses
-it (e.g. a heuristic's plan, for a policy-guided improvement of it).
+it (e.g. a heuristic's plan, for a policy-guided improvement of it), and ``options={"start": "runner-up"}``
+from the best template start that places the groups otherwise than the usual start (that start when
+there is none): a better start does not always give a better episode (a 10-GPU series-parallel DAG:
+from METIS's 8 parts, 15.11 ms, the policy finds no improving move; from m-ETF's schedule, 15.55 ms, it
+reaches 14.30 ms), so ``agent.infer.place`` spreads its samples over both.
 
 **info**: ``task_id``, ``phase``, ``num_groups`` on every step; at the end also ``step_time``,
 ``ref_time``, ``ref_plan``, ``score`` (the plan's reward), ``peak_memory`` (per device), ``memory_capacity``,
@@ -132,6 +136,7 @@ from envs.tasks import Task, default_tasks
 
 MODES = ("place", "refine")
 REFINE_INITS = ("best", "single_device", "data_parallel", "megatron")
+RUNNER_UP = "runner-up"  # reset(options={"start": RUNNER_UP}): the best start placed otherwise (module docstring)
 MB, SCHED, PLACE, VS = (PHASES.index(p) for p in ("microbatches", "schedule", "place", "virtual_stages"))
 N_LEADING_PHASES = 2  # the microbatch count and the schedule come before the nodes
 BATCH_SPLIT = LAYOUTS.index("batch_split")
@@ -268,8 +273,14 @@ class PlacementEnv(gym.Env):
         if self.mode == "place":
             self._mb_idx, self._sched, self._vs = -1, -1, -1
         else:
-            start = (refine_start(p, self._scoring, self.refine_init, self.microbatch_choices, self._placer)
-                     if options.get("start") is None else self._given_start(options["start"]))
+            given = options.get("start")
+            if isinstance(given, str) and given != RUNNER_UP:
+                raise EnvError(f"reset's start must be a Plan or {RUNNER_UP!r}, got {given!r}")
+            if given is None or given == RUNNER_UP:
+                start = refine_start(p, self._scoring, self.refine_init, self.microbatch_choices, self._placer)
+                start = (p.runner_up or start) if given == RUNNER_UP else start
+            else:
+                start = self._given_start(given)
             self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, 0
             for v in range(n):
                 self._put(v, int(start.assign[v]))

@@ -128,6 +128,7 @@ class PreparedTask:
     ops: dict  # the operator graph's per-op arrays the plan needs (attention core, experts)
     ref: dict | None = None  # reference(), once computed
     start: RefineStart | None = None  # refine_start(), once computed
+    runner_up: RefineStart | None = None  # refine_start()'s best start placed otherwise than ``start``
     expert_state_factors: dict = field(default_factory=dict)  # experts per layer -> state_factor()
     single_times: np.ndarray | None = None  # single_device_times(), once computed
     staged: dict = field(default_factory=dict)  # start name -> StagedStart, the pipeline starts of start_assignments
@@ -537,7 +538,9 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
     :data:`NEAR_BEST_MARGIN` of the best are then tried with GPipe at every count
     (:func:`gpipe_at_every_count`), and the best pipeline start has its stage boundaries moved while the
     simulator says it helps (:func:`with_moved_cuts`) when it won or came within that margin (and wins if
-    it then overtakes the best)."""
+    it then overtakes the best). The best start that places the groups otherwise (not only another
+    modifier) is kept as ``prep.runner_up``: episodes from it hedge against a start the policy cannot
+    improve (:data:`envs.placement.env.RUNNER_UP`)."""
     if prep.start is not None:
         return prep.start
     cands = start_assignments(prep)
@@ -546,7 +549,7 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         if not cands:
             raise EnvError(f"task {prep.task.name!r}: refine_init {refine_init!r} is not expressible here")
     ref = reference(prep, scoring)
-    best, pipelines = None, []
+    best, pipelines, scored = None, [], []
     for name, assign in cands.items():
         assign = _with_classes(prep, assign)
         fits = prep.mb_valid & prep.mb_ok[:, assign // N_MODIFIERS].all(axis=1)
@@ -574,6 +577,8 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
             mine = tried if tried.reward > mine.reward else mine
         if mine is not None and pipeline:
             pipelines.append(mine)
+        if mine is not None:
+            scored.append(mine)
         if mine is not None and (best is None or mine.reward > best.reward):
             best = mine
     if best is None:  # pragma: no cover - the single-device plan always works with microbatch 1
@@ -587,7 +592,11 @@ def refine_start(prep: PreparedTask, scoring: Scoring, refine_init: str, microba
         best = with_moved_cuts(prep, scoring, best, ref["time"], placer)
     elif staged is not None:
         moved = with_moved_cuts(prep, scoring, staged, ref["time"], placer)
+        scored.append(moved)
         best = moved if moved.reward > best.reward else best
+    placed = best.assign // N_MODIFIERS
+    prep.runner_up = max((m for m in [*scored, *near] if (m.assign // N_MODIFIERS != placed).any()),
+                         key=lambda m: m.reward, default=None)
     prep.start = best
     return best
 
