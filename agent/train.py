@@ -254,9 +254,11 @@ def make_vec_env(tasks: Sequence, kwargs: dict, n_envs: int, seed: int):
 
 def _close_quietly(env) -> None:
     """Close a vec env; a worker that is already gone (after Ctrl-C or a crash) is not a second error.
-    A SubprocVecEnv interrupted inside a step may have answered some workers' results already: its own
-    close would wait for those answers again (forever), so the pending ones are drained with a timeout,
-    the workers told to close, and any that do not end within seconds terminated."""
+    A SubprocVecEnv interrupted inside a step or reset may have a worker's answer half read (Ctrl-C in the
+    middle of a large observation's ``recv``): reading that pipe again would take the rest of the answer
+    for a length header and wait for bytes that never come, and SB3's own close reads every pending answer.
+    So nothing is read: the workers are told to close, and any that does not end within seconds (one
+    blocked sending its answer to nobody) is terminated."""
     if env is None:
         return
     remotes, processes = getattr(env, "remotes", None), getattr(env, "processes", None)
@@ -268,8 +270,6 @@ def _close_quietly(env) -> None:
         return
     for remote in remotes:
         try:
-            if getattr(env, "waiting", False) and remote.poll(2.0):
-                remote.recv()
             remote.send(("close", None))
         except (EOFError, OSError):
             pass

@@ -15,11 +15,10 @@ expands a plan on groups into a plan on ops (and projects one back). Methods:
   and its backward twin (one class) coarsen in step instead of chaining every class into one.
 - ``partition``: module groups at the deepest depth, then light merging down to ``max_nodes``.
 - ``auto``: module runs also split where Megatron-LM's tensor-parallel layout changes
-  (:func:`envs.plan.megatron_layouts`), at the deepest depth where they fit (when that leaves at least
-  ``max_nodes / 2`` groups), so that no group mixes
-  column-split, row-split and replicated operators (one layout per group: otherwise a ResNet block's
-  group cannot take Megatron's per-operator plan, e.g. a U-Net on 16 A100s at 2,433 ms and out of
-  memory instead of 397 ms). Otherwise: module groups at the
+  (:func:`envs.plan.megatron_layouts`), at the deepest depth where they fit and leave at least
+  ``max_nodes / 2`` groups, so that no group mixes column-split, row-split and replicated operators (a
+  group takes one layout: a U-Net's whole ResNet blocks on 16 A100s could not take Megatron's
+  per-operator plan, 2,433 ms and out of memory instead of 397 ms). Otherwise: module groups at the
   deepest depth that fits; if that leaves fewer than ``max_nodes / 2`` groups, start instead from the
   next deeper depth and light-merge down to ``max_nodes`` (pure light merging when the graph has no
   module paths).

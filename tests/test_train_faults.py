@@ -377,7 +377,7 @@ def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "train", "--config", str(cfg), "--run-dir", str(run),
                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         deadline = time.time() + 120
         while not glob.glob(str(run / "checkpoints" / "model_*_steps.zip")):
@@ -385,7 +385,12 @@ def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
             time.sleep(0.05)
         time.sleep(0.3)
         os.killpg(proc.pid, signal.SIGINT)
-        _out, err = proc.communicate(timeout=120)
+        try:
+            _out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+            os.kill(proc.pid, signal.SIGABRT)
+            _out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no exit 120 s after Ctrl-C; stacks:\n{err[-6000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -393,3 +398,47 @@ def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
     assert "Traceback" not in err and "resume with: rlplace train" in err, err
     m = re.search(r"checkpoint saved to (\S+);", err)
     assert m and loads(Path(m.group(1)))
+
+
+def test_closing_an_interrupted_subprocess_env_reads_nothing_from_its_workers():
+    """After Ctrl-C inside a SubprocVecEnv step, a worker's answer may be half read: reading its pipe again
+    would take the rest for a length header and wait forever. ``_close_quietly`` tells every worker to
+    close without reading, and terminates one that does not end."""
+    from agent.train import _close_quietly
+
+    class Remote:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def recv(self):
+            raise AssertionError("read from a worker's pipe")
+
+        poll = recv
+
+    class Process:
+        def __init__(self, ends: bool):
+            self.ends, self.terminated = ends, False
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return not (self.ends or self.terminated)
+
+        def terminate(self):
+            self.terminated = True
+
+    class Env:
+        waiting, closed = True, False
+
+        def close(self):
+            raise AssertionError("SB3's close reads every pending answer")
+
+    env = Env()
+    env.remotes, env.processes = [Remote(), Remote()], [Process(True), Process(False)]
+    _close_quietly(env)
+    assert all(r.sent == [("close", None)] for r in env.remotes)
+    assert [p.terminated for p in env.processes] == [False, True] and env.closed and not env.waiting
