@@ -370,6 +370,13 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch):
     assert _resumed_from(said) == ("model_100_steps.zip", 100) and res.num_timesteps >= 192
 
 
+def _default_sigint() -> None:
+    """In the child before it runs: Ctrl-C's default action, as a terminal gives it. A shell without job
+    control starts background commands with SIGINT ignored (``.ci/run &``), Popen children inherit that,
+    and Python then leaves it ignored: the Ctrl-C below would be lost and training would run on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
     """SIGINT to the whole process group (as a terminal's Ctrl-C) of ``rlplace train`` with two
     SubprocVecEnv workers: exit 130, one line naming the checkpoint, no traceback from any process."""
@@ -377,7 +384,8 @@ def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "train", "--config", str(cfg), "--run-dir", str(run),
                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=_default_sigint)
     try:
         deadline = time.time() + 120
         while not glob.glob(str(run / "checkpoints" / "model_*_steps.zip")):
@@ -389,8 +397,10 @@ def test_cli_ctrl_c_with_subprocess_workers_exits_130(tmp_path):
             _out, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
             os.kill(proc.pid, signal.SIGABRT)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)  # the forked workers hold the stderr pipe too
             _out, err = proc.communicate(timeout=30)
-            raise AssertionError(f"no exit 120 s after Ctrl-C; stacks:\n{err[-6000:]}") from None
+            raise AssertionError(f"no exit 120 s after Ctrl-C; stacks:\n{err[-8000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
