@@ -404,6 +404,18 @@ def plot(target: str, res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_report(out: Path, stem: str, res: dict, md: str, draw) -> None:
+    """A benchmark's report: ``stem``.json (``res``), .md (``md``) and .png (``draw(path)``) in ``out``,
+    each written atomically, and the Markdown printed."""
+    from envs.files import atomic_write_json, atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"{stem}.json", json.loads(json.dumps(res, default=float)), indent=1)
+    atomic_write_text(out / f"{stem}.md", md)
+    draw(out / f"{stem}.png")
+    print(md)
+
+
 def _file_name(family: str) -> str:
     """A family name or model file as a file-name part."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", family).strip("-")
@@ -412,7 +424,6 @@ def _file_name(family: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from agent.infer import PRETRAINED
     from agent.scale import Executor
-    from envs.files import atomic_write_json, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", choices=["a", "b", "c", "d", "all"], default="all")
@@ -456,11 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         res["seconds"] = round(time.time() - t0, 1)
         stem = f"target_{t}" + (f"-{_file_name(args.family)}" if t == "c" and args.family else "") \
             + (f"-{args.tasks}tasks" if t == "c" and args.tasks else "")
-        atomic_write_json(out / f"{stem}.json", json.loads(json.dumps(res, default=float)), indent=1)
-        md = markdown(t, res)
-        atomic_write_text(out / f"{stem}.md", md)
-        plot(t, res, out / f"{stem}.png")
-        print(md)
+        write_report(out, stem, res, markdown(t, res), lambda path, t=t, res=res: plot(t, res, path))
     return 0
 
 

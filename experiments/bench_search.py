@@ -19,7 +19,6 @@ into ``--out`` atomically.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.bench_agent import OUT, _geo, mcmc_from, resolve, search_cases  # noqa: E402
+from experiments.bench_agent import OUT, _geo, mcmc_from, resolve, search_cases, write_report  # noqa: E402
 
 DEFAULT_EVALUATIONS = 4000  # about what `place` makes in its default 20 s on the median (b) case
 DEFAULT_SEEDS = (0, 1)
@@ -111,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     from agent.infer import PRETRAINED, load_policy
     from agent.scale import Executor
     from envs.errors import RlplaceError
-    from envs.files import atomic_write_json, atomic_write_text
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--evaluations", type=int, default=DEFAULT_EVALUATIONS,
@@ -144,13 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with Executor.from_flags(args.ray) as ex:
         rows = ex.map(seed_row, jobs)
     res = {**summarize(rows), "evaluations": args.evaluations, "seeds": seeds, "seconds": round(time.time() - t0, 1)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "search_seeds.json", json.loads(json.dumps(res, default=float)), indent=1)
-    md = markdown(res)
-    atomic_write_text(out / "search_seeds.md", md)
-    plot(res, out / "search_seeds.png")
-    print(md)
+    write_report(Path(args.out), "search_seeds", res, markdown(res), lambda path: plot(res, path))
     return 0
 
 

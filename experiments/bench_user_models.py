@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.bench_agent import OUT, _geo, _ratio  # noqa: E402
+from experiments.bench_agent import OUT, _geo, _ratio, write_report  # noqa: E402
 
 MODELS_DIR = ROOT / "experiments" / "models"
 CLUSTERS = ("dgx-a100-80g", "pcie-4gpu", "hetero", "a100-80g-cluster:nodes=2")
@@ -135,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     from agent.infer import PRETRAINED, load_policy
     from agent.scale import Executor
     from envs.errors import RlplaceError
-    from envs.files import atomic_write_json, atomic_write_text
     from envs.presets import resolve_topology
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -163,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = ex.map(zero_shot_case, jobs)
     res = summary(rows, skipped)
     res["seconds"] = round(time.time() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "user_models.json", json.loads(json.dumps(res, default=float)), indent=1)
-    md = markdown(res)
-    atomic_write_text(out / "user_models.md", md)
-    plot(res, out / "user_models.png")
-    print(md)
+    write_report(Path(args.out), "user_models", res, markdown(res), lambda path: plot(res, path))
     return 0
 
 
