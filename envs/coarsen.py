@@ -100,12 +100,9 @@ class Grouping:
         of the first such group, so the result respects co-location."""
         if plan.num_nodes != self.num_ops:
             raise PlanError(f"plan has {plan.num_nodes} nodes but the grouping covers {self.num_ops} ops")
-        counts: list[dict[tuple, list[int]]] = [{} for _ in range(self.num_groups)]
-        for i, g in enumerate(self.group_of.tolist()):
-            key = (plan.groups[i], plan.layouts[i], int(plan.dp[i]), bool(plan.recompute[i]))
-            c = counts[g].setdefault(key, [0, i])
-            c[0] += 1
-        best = [max(c.items(), key=lambda kv: (kv[1][0], -kv[1][1]))[0] for c in counts]
+        best = group_majority(self.group_of, [(plan.groups[i], plan.layouts[i], int(plan.dp[i]),
+                                               bool(plan.recompute[i])) for i in range(self.num_ops)],
+                              self.num_groups)
         if self.colocation is not None:
             first: dict[int, int] = {}
             for g, c in enumerate(self.colocation.tolist()):
@@ -136,6 +133,14 @@ class Grouping:
 
 
 # ---------------------------------------------------------------------- entry point
+def group_majority(group_of: np.ndarray, keys: list, num_groups: int) -> list:
+    """Per group, its members' most common key; a tie goes to the key that occurs first (lowest op index)."""
+    counts: list[dict] = [{} for _ in range(num_groups)]
+    for key, g in zip(keys, group_of.tolist()):
+        counts[g][key] = counts[g].get(key, 0) + 1
+    return [max(c, key=c.get) for c in counts]  # dicts keep first-occurrence order: max keeps the first of a tie
+
+
 def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGraph, Grouping]:
     """Group ``graph`` into at most ``max_nodes`` nodes; returns (coarse graph, grouping)."""
     if isinstance(max_nodes, bool) or not isinstance(max_nodes, (int, np.integer)) or max_nodes < 1:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from envs.coarsen import group_majority
 from envs.errors import EnvError, PlanError
 from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
@@ -818,13 +819,10 @@ def express(prep: PreparedTask, plan: Plan) -> np.ndarray:
         raise EnvError(f"the plan has {plan.num_nodes} nodes; task {prep.task.name!r} has {fine_n} ops and "
                        f"{n} groups")
     look = prep.options.lookup()
-    counts: list[dict[tuple, list[int]]] = [{} for _ in range(n)]
-    for i, v in enumerate(g.tolist()):
-        c = counts[v].setdefault((plan.groups[i], plan.layouts[i], int(plan.dp[i])), [0, i])
-        c[0] += 1
+    majority = group_majority(g, [(plan.groups[i], plan.layouts[i], int(plan.dp[i])) for i in range(g.size)], n)
     out = np.empty(n, dtype=np.int64)
     for v in range(n):
-        key = max(counts[v].items(), key=lambda kv: (kv[1][0], -kv[1][1]))[0]
+        key = majority[v]
         o = look.get(key)
         if o is None or not prep.allowed[v, o]:
             o = look[((key[0][0],), "single", 1)]
@@ -1194,10 +1192,7 @@ def group_megatron_layouts(prep: PreparedTask) -> list[str]:
     fine = megatron_layouts(prep.task.graph)
     if prep.grouping is None:
         return fine
-    counts: list[dict[str, int]] = [{} for _ in range(prep.graph.num_nodes)]
-    for op, v in enumerate(prep.grouping.group_of.tolist()):
-        counts[v][fine[op]] = counts[v].get(fine[op], 0) + 1
-    return [max(c, key=c.get) for c in counts]
+    return group_majority(prep.grouping.group_of, fine, prep.graph.num_nodes)
 
 
 def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
