@@ -80,6 +80,33 @@ def plan_defaults(graph: OpGraph) -> dict:
     return {"dtype": dtype, "state_bytes_per_param": ADAM_MIXED_BYTES_PER_PARAM}
 
 
+def _device_groups(groups: list) -> list[tuple[int, ...]]:
+    """Every node's device group as a tuple of ints (:func:`_device_group`), equal tuples converted once
+    (a plan's nodes share a few groups)."""
+    try:
+        distinct = dict.fromkeys(groups)
+    except TypeError:  # a list among them: no sharing
+        distinct = None
+    if distinct is not None and all(type(g) is tuple for g in distinct):
+        try:
+            canon = {g: _device_group(g, -1) for g in distinct}
+        except PlanError:
+            pass  # the loop below names the node
+        else:
+            return [canon[g] for g in groups]
+    memo: dict = {}
+    out = []
+    for i, g in enumerate(groups):
+        key = g if isinstance(g, tuple) else None
+        t = memo.get(key) if key is not None else None
+        if t is None:
+            t = _device_group(g, i)
+            if key is not None:
+                memo[key] = t
+        out.append(t)
+    return out
+
+
 def _device_group(g, i: int) -> tuple[int, ...]:
     """A node's device group as a tuple of ints (refusing strings, booleans and non-integral numbers)."""
     if isinstance(g, (str, bytes)) or not hasattr(g, "__iter__"):
@@ -126,17 +153,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         n = len(self.groups)
-        memo: dict = {}
-        groups = []
-        for i, g in enumerate(self.groups):
-            key = g if isinstance(g, tuple) else None
-            t = memo.get(key) if key is not None else None
-            if t is None:
-                t = _device_group(g, i)
-                if key is not None:
-                    memo[key] = t
-            groups.append(t)
-        self.groups = groups
+        self.groups = _device_groups(self.groups)
         self.layouts = [str(x) for x in self.layouts]
         if len(self.layouts) != n:
             raise PlanError(f"plan has {n} groups but {len(self.layouts)} layouts")

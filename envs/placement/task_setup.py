@@ -177,7 +177,7 @@ class PreparedTask:
         zero = np.where((fine.param_bytes > 0) & (dp > 1), ZERO[op_mod], 0)
         ep = np.where(EXPERT_PARALLEL[op_mod], expert_parallel_degree(dp, self.ops["expert_count"]), 1)
         groups = [opts.groups[o] for o in place.tolist()]
-        plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[int(opts.layout[o])] for o in op_place],
+        plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[i] for i in opts.layout[op_place].tolist()],
                     dp=dp, recompute=recompute, zero=zero, ep=ep, microbatches=microbatches, schedule=schedule,
                     virtual_stages=virtual_stages, global_batch=self.task.global_batch, dtype=self.dtype,
                     state_bytes_per_param=self.state_bytes_per_param,

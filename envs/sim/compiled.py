@@ -153,6 +153,7 @@ class CompiledSimulator:
         self.comm = comm if comm is not None else CommTimes(topology)  # may be shared (the stage model does)
         self._last: PlanArrays | None = None
         self._prio_cache: dict = {}
+        self._group_res: dict = {}
         self.caps = np.array([d.memory_bytes for d in topology.devices])
         self.dev_bw = np.array([d.bandwidth() for d in topology.devices])
         self.dev_lo = np.array([d.launch_overhead for d in topology.devices])
@@ -563,7 +564,7 @@ class CompiledSimulator:
         """Gradient synchronisation, bucketed in backward order, per (group, dp, split, ZeRO stage,
         sequence split) (the reference's ``_gradient_buckets``). Returns (bucket task, device) pairs for
         the optimizer and the ZeRO-1/2 buckets whose weights are gathered after it."""
-        graph, nd, m = self.graph, self.nd, pa.m
+        graph, m = self.graph, pa.m
         g_ptr, g_dev, g_size = self._group_arrays()
         seq = pa.lay == L_SEQ
         has_grad = self.has_params & ((pa.dp > 1) | seq)
@@ -596,41 +597,60 @@ class CompiledSimulator:
         nmem = np.bincount(bidx, minlength=nb)
         members_of = np.argsort(bidx, kind="stable")
         mem_ptr = np.concatenate([[0], np.cumsum(nmem)])
+        # the buckets in task order: their deciding node (the last in backward order) and its choices
+        v0 = last_node[border]
+        gid0, dp0, zero0, sq0 = pa.gid[v0], pa.dp[v0], pa.zero[v0], seq[v0]
+        scatter = (zero0 >= 1) & (dp0 > 1) & ~sq0
+        per_k = (zero0 >= 2) & ~sq0  # ZeRO-2/3: one task per microbatch, else one after the last
+        nk = np.where(per_k, m, 1)
+        first_id = extra.next_id + np.concatenate([[0], np.cumsum(nk)[:-1]])
         tid_last = np.empty(nb, dtype=np.int64)  # the bucket's task after the last microbatch
-        per_mb: list[tuple[int, int]] = []  # (bucket, first task id) of ZeRO-2/3 buckets: m tasks each
-        sync_ids: list[int] = []
-        sync_devs: list[np.ndarray] = []
+        tid_last[border] = first_id + nk - 1
+        comm, sizes = self.comm, bsize[border].tolist()
+        firsts, counts, bbv = first_node[border].tolist(), nmem[border].tolist(), bb[v0].tolist()
+        dur, pri, res, devices, labels, hosts = [], [], [], [], [], []
         gathers = []
-        for b in border.tolist():
-            v0 = int(last_node[b])
-            gtuple = self._groups[int(pa.gid[v0])]
-            dp, zero, sq = int(pa.dp[v0]), int(pa.zero[v0]), bool(seq[v0])
-            members = gtuple if sq else dp_groups(gtuple, dp)[0]
-            kind = "reduce_scatter" if zero >= 1 and dp > 1 and not sq else "all_reduce"
-            t = self.comm.collective(kind, members, float(bsize[b]))
-            devs = sorted(set(gtuple))
-            host = self.comm.host(tuple(devs), transfer=False)[0]
-            res = [nd + d for d in gtuple] + [2 * nd + d for d in gtuple]
-            label = ("grad reducescatter" if kind == "reduce_scatter" else "grad allreduce", int(first_node[b]),
-                     int(nmem[b]))
-            ks = range(m) if zero >= 2 and not sq else (m - 1,)
-            if len(ks) > 1:
-                per_mb.append((b, extra.next_id))
+        for j, (g, dp, zero, sq, sc, pk) in enumerate(zip(gid0.tolist(), dp0.tolist(), zero0.tolist(), sq0.tolist(),
+                                                          scatter.tolist(), per_k.tolist())):
+            devs, host, rs = self._group_resources(g)
+            members = self._groups[g] if sq else dp_groups(self._groups[g], dp)[0]
+            kind, label = ("reduce_scatter", "grad reducescatter") if sc else ("all_reduce", "grad allreduce")
+            t = comm.collective(kind, members, sizes[j])
+            ks = range(m) if pk else (m - 1,)
             for k in ks:
-                tid = extra.add(t, bb[v0] + k * slope + 0.5, KIND_COMM, res, devs, label, host)
-                sync_ids.append(tid)
-                sync_devs.append(g_dev[g_ptr[pa.gid[v0]]:g_ptr[pa.gid[v0] + 1]])
-            tid_last[b] = tid
-            if zero in (1, 2) and dp > 1 and not sq:
-                gathers.append((gtuple, members, float(bsize[b]), int(first_node[b]), int(nmem[b])))
+                dur.append(t)
+                pri.append(bbv[j] + k * slope + 0.5)
+                res.append(rs)
+                devices.append(devs)
+                labels.append((label, firsts[j], counts[j]))
+                hosts.append(host)
+            if sc and zero in (1, 2):
+                gathers.append((self._groups[g], members, sizes[j], firsts[j], counts[j]))
+        extra.add_many(dur, pri, KIND_COMM, res, devices, labels, hosts)
+        per_mb = [(int(b), int(f)) for b, f, pk in zip(border, first_id, per_k) if pk and m > 1]
         extra.deps(self._last_backward(m)[visited], tid_last[bidx])
         for b, first in per_mb:  # ZeRO-2/3: the bucket's task of microbatch k after each node's B(v, k)
             nodes = visited[members_of[mem_ptr[b]:mem_ptr[b + 1]]]
             ks = np.arange(m - 1, dtype=np.int64)
             extra.deps((nodes[None, :] * m * 2 + ks[:, None] * 2 + 1).reshape(-1), np.repeat(first + ks, len(nodes)))
-        bt_ids = np.repeat(np.asarray(sync_ids, dtype=np.int64), [len(x) for x in sync_devs])
-        bdevs = np.concatenate(sync_devs).astype(np.int64)
+        g_lo, g_hi = g_ptr[gid0], g_ptr[gid0 + 1]
+        reps = np.repeat(g_hi - g_lo, nk)  # each task's devices: its group's devices
+        starts = np.repeat(g_lo, nk)
+        offs = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
+        bdevs = g_dev[np.repeat(starts, reps) + offs]
+        bt_ids = np.repeat(np.arange(extra.next_id - int(nk.sum()), extra.next_id, dtype=np.int64), reps)
         return (bt_ids, bdevs), gathers
+
+    def _group_resources(self, gid: int):
+        """(sorted devices, host cost of a collective, communication resources) of interned group ``gid``
+        (memoised: a gradient bucket or weight gather over the group occupies these)."""
+        hit = self._group_res.get(gid)
+        if hit is None:
+            g, nd = self._groups[gid], self.nd
+            devs = sorted(set(g))
+            hit = devs, self.comm.host(tuple(devs), transfer=False)[0], [nd + d for d in g] + [2 * nd + d for d in g]
+            self._group_res[gid] = hit
+        return hit
 
     def _optimizer_updates(self, pa: PlanArrays, grad_syncs, extra: _ExtraTasks):
         """One optimizer task per device holding parameters (memory-bound pass over its model states, its
@@ -656,14 +676,12 @@ class CompiledSimulator:
 
     def _parameter_gathers(self, gathers, opt_ids: np.ndarray, extra: _ExtraTasks) -> None:
         """ZeRO-1/2: the updated weights of each bucket all-gathered after its devices' optimizers."""
-        nd = self.nd
+        opt = opt_ids.tolist()
         for g, members, size, first, count in gathers:
             t = self.comm.collective("all_gather", members, size)
-            devs = sorted(set(g))
-            tid = extra.add(t, 1e300, KIND_COMM, [nd + d for d in g] + [2 * nd + d for d in g], devs,
-                            f"param allgather {self.graph.names[first]}..({count})",
-                            self.comm.host(tuple(devs), transfer=False)[0])
-            src = np.array([opt_ids[d] for d in g if opt_ids[d] >= 0], dtype=np.int64)
+            devs, host, res = self._group_resources(self._gid[g])
+            tid = extra.add(t, 1e300, KIND_COMM, res, devs, ("param allgather", first, count), host)
+            src = np.array([opt[d] for d in g if opt[d] >= 0], dtype=np.int64)
             extra.deps(src, np.full(len(src), tid, dtype=np.int64))
 
     def _schedule_and_report(self, pa: PlanArrays, step, extra: _ExtraTasks, stage, p, groups: EdgeGroups,
@@ -810,7 +828,8 @@ class _ExtraTasks:
         self.dur: list[float] = []
         self.pri: list[float] = []
         self.kind: list[int] = []
-        self.res: list[list[int]] = []
+        self.res_ptr = [0]  # each task's resources, as CSR
+        self.res_idx: list[int] = []
         self.dev_ptr = [0]
         self.dev_idx: list[int] = []
         self.labels: list = []  # (first node, number of nodes) of a bucket, or an optimizer's device
@@ -823,12 +842,28 @@ class _ExtraTasks:
         self.dur.append(dur)
         self.pri.append(pri)
         self.kind.append(kind)
-        self.res.append(res)
+        self.res_idx.extend(res)
+        self.res_ptr.append(len(self.res_idx))
         self.dev_idx.extend(devices)
         self.dev_ptr.append(len(self.dev_idx))
         self.labels.append(label)
         self.next_id += 1
         return self.next_id - 1
+
+    def add_many(self, dur: list, pri: list, kind: int, res: list, devices: list, labels: list, host: list) -> None:
+        """Tasks of one kind, as :meth:`add` would append them one by one."""
+        self.host.extend(host)
+        self.dur.extend(dur)
+        self.pri.extend(pri)
+        self.kind.extend([kind] * len(dur))
+        for r in res:
+            self.res_idx.extend(r)
+            self.res_ptr.append(len(self.res_idx))
+        for d in devices:
+            self.dev_idx.extend(d)
+            self.dev_ptr.append(len(self.dev_idx))
+        self.labels.extend(labels)
+        self.next_id += len(dur)
 
     def add_optimizers(self, times: np.ndarray, devices: list[int]) -> np.ndarray:
         """One optimizer task per device (lowest urgency); their task ids."""
@@ -837,7 +872,8 @@ class _ExtraTasks:
         self.host.extend([0.0] * k)
         self.pri.extend([1e300] * k)
         self.kind.extend([KIND_OPT] * k)
-        self.res.extend([d] for d in devices)
+        self.res_ptr.extend(range(len(self.res_idx) + 1, len(self.res_idx) + k + 1))
+        self.res_idx.extend(devices)
         self.dev_ptr.extend(range(len(self.dev_idx) + 1, len(self.dev_idx) + k + 1))
         self.dev_idx.extend(devices)
         self.labels.extend(devices)
@@ -854,9 +890,8 @@ class _ExtraTasks:
             dur = np.concatenate([dur, np.asarray(self.dur, dtype=np.float64)])
             pri = np.concatenate([pri, np.asarray(self.pri, dtype=np.float64)])
             kind = np.concatenate([kind, np.asarray(self.kind, dtype=np.int64)])
-            rc_ = np.fromiter((len(r) for r in self.res), dtype=np.int64, count=len(self.res))
-            res_ptr = np.concatenate([res_ptr, res_ptr[-1] + np.cumsum(rc_)])
-            res_idx = np.concatenate([res_idx, np.fromiter((x for r in self.res for x in r), dtype=np.int64)])
+            res_ptr = np.concatenate([res_ptr, res_ptr[-1] + np.asarray(self.res_ptr[1:], dtype=np.int64)])
+            res_idx = np.concatenate([res_idx, np.asarray(self.res_idx, dtype=np.int64)])
             dev_ptr = np.concatenate([dev_ptr, dev_ptr[-1] + np.asarray(self.dev_ptr[1:], dtype=np.int64)])
             dev_idx = np.concatenate([dev_idx, np.asarray(self.dev_idx, dtype=np.int64)])
         if self.src:
