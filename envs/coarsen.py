@@ -40,6 +40,7 @@ import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
+from envs.branches import major_regions, step_load
 from envs.errors import GraphError, PlanError
 from envs.graph import OpGraph
 from envs.plan import LAYOUTS, Plan, megatron_layouts
@@ -212,13 +213,20 @@ def _module(graph: OpGraph, levels: list[np.ndarray], max_nodes: int, keep_finer
 def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int) -> tuple[np.ndarray, int] | None:
     """Module runs at the deepest depth that fits ``max_nodes`` once each run is also split where
     Megatron-LM's tensor-parallel layout changes (:func:`envs.plan.megatron_layouts` on the operators),
-    so that a group never mixes column-split, row-split and replicated operators; None when that leaves
+    so that a group never mixes column-split, row-split and replicated operators, nor two major concurrent
+    branches (:func:`envs.branches.major_regions`: at a shallow depth a run of one layout would otherwise
+    interleave a two-tower model's towers, which then could not run side by side); None when that leaves
     fewer than ``max_nodes / 2`` groups (as ``auto`` asks of module groups: too coarse for the policy) or
     even depth 0 split by layout does not fit."""
     layout = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64,
                          count=graph.num_nodes)
+    branch = np.zeros(graph.num_nodes, dtype=np.int64)
+    for region in major_regions(graph, step_load(graph)):
+        for b in region:
+            branch[b] = b[0] + 1
+    branch = np.unique(branch, return_inverse=True)[1].reshape(-1)
     for d in range(len(levels) - 1, -1, -1):
-        group_of = _label_runs(graph, levels[d] * len(LAYOUTS) + layout)
+        group_of = _label_runs(graph, (levels[d] * len(LAYOUTS) + layout) * (int(branch.max()) + 1) + branch)
         if group_of.max() + 1 <= max_nodes:
             return (group_of, d) if group_of.max() + 1 >= max_nodes / 2 else None
     return None

@@ -1,0 +1,108 @@
+"""Concurrent branches of a DAG: the parts of a multi-branch model (two towers, a multimodal model's
+modalities, a recommendation model's dense and sparse arms) that no path orders, so that disjoint device
+groups can run them at the same time.
+
+A node comparable with every other node (each other node is its ancestor or its descendant) is a
+*junction*: a residual block's operators, a chain's, the ops where branches meet. The other nodes fall
+into connected components (over the edges between two non-junction nodes); the components between the
+same two junctions form a *region*, and a region's components are its concurrent branches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from envs.graph import OpGraph
+
+# a region's branches are major when those beyond the heaviest carry at least this share of the step's load
+# (:func:`step_load`): a two-tower model's towers are, a few parallel projections in a layer are not
+MIN_BRANCH_LOAD = 0.10
+
+
+def junctions(graph: OpGraph) -> np.ndarray:
+    """Bool per node: comparable with every other node (reachability as bitsets, one pass each way)."""
+    n = graph.num_nodes
+    order = graph.topological_order().tolist()
+    succ: list[list[int]] = [[] for _ in range(n)]
+    pred: list[list[int]] = [[] for _ in range(n)]
+    for a, b in zip(graph.edge_src.tolist(), graph.edge_dst.tolist()):
+        succ[a].append(b)
+        pred[b].append(a)
+    desc, anc = [0] * n, [0] * n
+    for v in reversed(order):
+        for s in succ[v]:
+            desc[v] |= desc[s] | (1 << s)
+    for v in order:
+        for p in pred[v]:
+            anc[v] |= anc[p] | (1 << p)
+    return np.array([(desc[v] | anc[v]).bit_count() == n - 1 for v in range(n)], dtype=bool)
+
+
+def branch_of(graph: OpGraph) -> np.ndarray:
+    """Per node, the branch it belongs to: -1 for a junction, else its connected component over the
+    edges between non-junction nodes (numbered by their lowest node)."""
+    n = graph.num_nodes
+    junction = junctions(graph)
+    parent = list(range(n))
+
+    def root(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for a, b in zip(graph.edge_src.tolist(), graph.edge_dst.tolist()):
+        if not junction[a] and not junction[b]:
+            ra, rb = root(a), root(b)
+            parent[max(ra, rb)] = min(ra, rb)
+    return np.array([-1 if junction[v] else root(v) for v in range(n)], dtype=np.int64)
+
+
+def branch_regions(graph: OpGraph) -> list[list[np.ndarray]]:
+    """The graph's regions with two or more concurrent branches, each a list of its branches (node arrays,
+    ascending), in topological order of the regions. A region is keyed by how many junctions precede its
+    branches' earliest node in topological order."""
+    branch = branch_of(graph)
+    order = graph.topological_order()
+    rank = np.empty(graph.num_nodes, dtype=np.int64)
+    rank[order] = np.arange(graph.num_nodes)
+    before = np.cumsum(branch[order] < 0)  # junctions up to and including each position
+    regions: dict[int, list[np.ndarray]] = {}
+    for b in np.unique(branch[branch >= 0]).tolist():
+        members = np.flatnonzero(branch == b)
+        regions.setdefault(int(before[rank[members].min()]), []).append(members)
+    return [sorted(branches, key=lambda b: int(rank[b].min())) for _, branches in sorted(regions.items())
+            if len(branches) >= 2]
+
+
+def major_regions(graph: OpGraph, load: np.ndarray, min_load: float = MIN_BRANCH_LOAD) -> list[list[np.ndarray]]:
+    """The :func:`branch_regions` whose branches beyond the heaviest carry at least ``min_load`` of the
+    graph's total ``load`` (per node): where running branches side by side can matter, unlike a layer's
+    few parallel projections."""
+    total = max(float(load.sum()), 1e-300)
+    out = []
+    for branches in branch_regions(graph):
+        weights = [float(load[b].sum()) / total for b in branches]
+        if sum(weights) - max(weights) >= min_load:
+            out.append(branches)
+    return out
+
+
+def step_load(graph: OpGraph, time: np.ndarray | None = None) -> np.ndarray:
+    """A node's load, for telling major branches: the mean of its share of the compute (``time``, default its
+    FLOPs) and its share of the operators (a device's host issues every operator it runs, so a branch of
+    many small operators weighs too)."""
+    work = graph.fwd_flops + graph.bwd_flops if time is None else np.where(np.isfinite(time), time, 0.0)
+    ops = graph.n_ops.astype(np.float64)
+    return 0.5 * (work / max(float(work.sum()), 1e-300) + ops / max(float(ops.sum()), 1.0))
+
+
+def balanced_bins(loads: list[float], bins: int) -> list[list[int]]:
+    """Longest-processing-time bin packing: item indices per bin, the heaviest item first into the
+    lightest bin (ties to the lower index); empty bins dropped."""
+    total = [0.0] * bins
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        b = min(range(bins), key=lambda b: (total[b], b))
+        out[b].append(i)
+        total[b] += loads[i]
+    return [b for b in out if b]

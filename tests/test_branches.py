@@ -1,0 +1,121 @@
+"""Concurrent branches (``envs.branches``): the analysis, the coarsening that keeps branches apart, and
+the refine start that runs them side by side on disjoint device groups."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from envs.branches import balanced_bins, branch_of, branch_regions, junctions
+from envs.coarsen import coarsen
+from envs.graph import OpGraph, chain_graph
+from envs.placement.env import PlacementEnv
+from envs.placement.options import N_MODIFIERS
+from envs.presets import preset
+from envs.tasks import Task
+
+CLIP = ("experiments/models/clip_like.py:build:layers=2,vision_width=128,text_width=64,image=64,vocab=1000,"
+        "context=16,embed=64,batch=16")
+
+
+def _dag(n: int, edges: list[tuple[int, int]]) -> OpGraph:
+    src, dst = (np.array(x, dtype=np.int64) for x in zip(*edges))
+    return OpGraph(names=[f"op{i}" for i in range(n)], kinds=["linear"] * n, fwd_flops=np.full(n, 1e9),
+                   param_bytes=np.zeros(n), out_bytes=np.full(n, 1e6), edge_src=src, edge_dst=dst,
+                   edge_bytes=np.full(len(edges), 1e6), batch_size=8)
+
+
+def _clip():
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec(CLIP)
+    tower = np.array([0 if n.startswith(("vision", "patchify", "image")) else 1 if n.startswith(("text", "token"))
+                      else -1 for n in g.names])
+    return g, tower
+
+
+def test_junctions_are_the_nodes_comparable_with_every_other():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(2, 30))
+        edges = sorted({(int(a), int(b)) for a, b in rng.integers(0, n, (2 * n, 2)) if a < b} | {(0, 1)})
+        g = _dag(n, edges)
+        nxg = nx.DiGraph(edges)
+        nxg.add_nodes_from(range(n))
+        want = [len(nx.ancestors(nxg, v)) + len(nx.descendants(nxg, v)) == n - 1 for v in range(n)]
+        assert junctions(g).tolist() == want
+
+
+def test_two_towers_are_one_region_of_two_branches_and_a_chain_has_none():
+    # 0 -> (1 -> 2 -> 3) and (4 -> 5) -> 6 -> 7: towers {1,2,3} and {4,5} between junctions 0 and 6
+    g = _dag(8, [(0, 1), (1, 2), (2, 3), (0, 4), (4, 5), (3, 6), (5, 6), (6, 7)])
+    assert np.flatnonzero(junctions(g)).tolist() == [0, 6, 7]
+    assert branch_of(g).tolist() == [-1, 1, 1, 1, 4, 4, -1, -1]
+    assert [sorted(b.tolist() for b in r) for r in branch_regions(g)] == [[[1, 2, 3], [4, 5]]]
+    # a residual chain: the skip edge orders everything, so no branches
+    res = _dag(5, [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4), (2, 4)])
+    assert junctions(res).all() and branch_regions(res) == []
+    # two diamonds in a row: two regions, in order
+    two = _dag(7, [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4), (3, 5), (4, 6), (5, 6)])
+    assert [sorted(b.tolist() for b in r) for r in branch_regions(two)] == [[[1], [2]], [[4], [5]]]
+
+
+def test_balanced_bins_put_the_heaviest_first_into_the_lightest_bin():
+    assert balanced_bins([5.0, 1.0, 4.0, 3.0], 2) == [[0, 1], [2, 3]]
+    assert balanced_bins([1.0], 3) == [[0]]  # empty bins dropped
+    loads = np.random.default_rng(1).random(12)
+    bins = balanced_bins(loads.tolist(), 3)
+    assert sorted(i for b in bins for i in b) == list(range(12))
+    sums = [loads[b].sum() for b in bins]
+    assert max(sums) - min(sums) <= loads.max()  # LPT: within one item of balanced
+
+
+@pytest.mark.parametrize("max_nodes", [28, 32, 40, 48])
+def test_auto_groups_never_mix_two_towers(max_nodes):
+    """A layout-pure run at a shallow module depth used to take a two-tower model's ops of one layout
+    from both towers in turn (10 of 28 groups mixed at max_nodes 28-40); the towers could then not run on
+    different devices."""
+    g, tower = _clip()
+    _, grouping = coarsen(g, max_nodes)
+    for k in range(grouping.num_groups):
+        assert not {0, 1} <= set(tower[grouping.group_of == k].tolist())
+
+
+def test_branch_start_runs_the_towers_side_by_side_on_the_two_quads():
+    from envs.placement.task_setup import branch_parallel_assignments, data_parallel_assignments
+
+    g, tower = _clip()
+    env = PlacementEnv([Task(g, preset("dgx-a100-80g"))], mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = branch_parallel_assignments(prep)
+    assert list(starts) == ["branches on 2 x a100-80g x4"]
+    rows = starts["branches on 2 x a100-80g x4"] // N_MODIFIERS
+    opts = prep.options
+    op_group = [opts.groups[rows[prep.grouping.group_of[v]]] for v in range(g.num_nodes)]
+    vision = {op_group[v] for v in range(g.num_nodes) if g.names[v].startswith("vision.encoder")}
+    text = {op_group[v] for v in range(g.num_nodes) if g.names[v].startswith("text.encoder")}
+    assert vision == {(0, 1, 2, 3)} and text == {(4, 5, 6, 7)}
+    branch = np.flatnonzero(branch_of(prep.graph) >= 0)
+    assert all(opts.groups[rows[v]] == tuple(range(8)) for v in range(prep.graph.num_nodes) if v not in branch)
+    # host-bound at 2 samples per GPU: each quad's hosts issue one tower's operators
+    time = {name: env._scoring.evaluate(prep, prep.plan(a, 1, "1f1b", 1, "test")).value
+            for name, a in {**starts, **data_parallel_assignments(prep)}.items()}
+    assert time["branches on 2 x a100-80g x4"] < 0.7 * time["data parallel a100-80g x8"]
+
+
+def test_no_branch_start_without_branches_or_for_small_branches():
+    from envs.placement.task_setup import branch_parallel_assignments
+
+    env = PlacementEnv([Task(chain_graph(8, batch_size=64), preset("dgx-a100-80g"))], mode="refine", max_nodes=8,
+                       coarsen=False)
+    env.reset(seed=0)
+    assert branch_parallel_assignments(env.prepared) == {}
+    # a long chain with one small side branch: under MIN_BRANCH_LOAD of the step, not a major branch
+    edges = [(i, i + 1) for i in range(19)] + [(4, 20), (20, 6)]
+    env = PlacementEnv([Task(_dag(21, edges), preset("dgx-a100-80g"))], mode="refine", max_nodes=21,
+                       coarsen=False)
+    env.reset(seed=0)
+    assert branch_regions(env.prepared.graph) != []
+    assert branch_parallel_assignments(env.prepared) == {}
