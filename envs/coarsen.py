@@ -171,12 +171,13 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
             if len(levels) == 1:  # no module paths at all
                 group_of = _light(graph, _topo_identity(graph), max_nodes)
             else:
-                pure = _layout_pure(graph, levels, max_nodes)
+                branch = _major_branches(graph)
+                pure = _layout_pure(graph, levels, max_nodes, branch)
                 if pure is not None:
                     group_of, level = pure
                     info["layout_pure"] = True
                 else:
-                    group_of, level, finer = _module(graph, levels, max_nodes, keep_finer=True)
+                    group_of, level, finer = _module(graph, levels, max_nodes, keep_finer=True, branch=branch)
                     if finer is not None and group_of.max() + 1 < max_nodes / 2:
                         group_of, level = _light(graph, finer, max_nodes), level + 1
     k = int(group_of.max()) + 1 if n else 0
@@ -199,32 +200,44 @@ def _module_levels(graph: OpGraph) -> list[np.ndarray]:
     return levels
 
 
-def _module(graph: OpGraph, levels: list[np.ndarray], max_nodes: int, keep_finer: bool = False):
-    """Runs at the deepest depth with at most ``max_nodes`` groups (depth 0 always fits: one run)."""
+def _module(graph: OpGraph, levels: list[np.ndarray], max_nodes: int, keep_finer: bool = False,
+            branch: np.ndarray | None = None):
+    """Runs at the deepest depth with at most ``max_nodes`` groups (depth 0 always fits: one run); with
+    ``branch`` (:func:`_major_branches`), also split between major concurrent branches, unless even depth 0
+    split so does not fit."""
     finer = None
+    nb = 1 if branch is None else int(branch.max()) + 1
     for d in range(len(levels) - 1, -1, -1):
-        group_of = _label_runs(graph, levels[d])
+        group_of = _label_runs(graph, levels[d] * nb + (0 if branch is None else branch))
         if group_of.max() + 1 <= max_nodes:
             return (group_of, d, finer) if keep_finer else (group_of, d)
         finer = group_of
+    if branch is not None:  # even one run per branch is too many: runs across branches
+        return _module(graph, levels, max_nodes, keep_finer)
     raise AssertionError("depth 0 is a single run")  # pragma: no cover
 
 
-def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int) -> tuple[np.ndarray, int] | None:
-    """Module runs at the deepest depth that fits ``max_nodes`` once each run is also split where
-    Megatron-LM's tensor-parallel layout changes (:func:`envs.plan.megatron_layouts` on the operators),
-    so that a group never mixes column-split, row-split and replicated operators, nor two major concurrent
-    branches (:func:`envs.branches.major_regions`: at a shallow depth a run of one layout would otherwise
-    interleave a two-tower model's towers, which then could not run side by side); None when that leaves
-    fewer than ``max_nodes / 2`` groups (as ``auto`` asks of module groups: too coarse for the policy) or
-    even depth 0 split by layout does not fit."""
-    layout = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64,
-                         count=graph.num_nodes)
+def _major_branches(graph: OpGraph) -> np.ndarray:
+    """Per op, 0 or (1 + a label) of its major concurrent branch (:func:`envs.branches.major_regions`), so
+    that a run never spans two: at a shallow depth a run of one layout would interleave a two-tower
+    model's towers, and the two calls of a shared encoder (a Siamese model) have the same module paths."""
     branch = np.zeros(graph.num_nodes, dtype=np.int64)
     for region in major_regions(graph, step_load(graph)):
         for b in region:
             branch[b] = b[0] + 1
-    branch = np.unique(branch, return_inverse=True)[1].reshape(-1)
+    return np.unique(branch, return_inverse=True)[1].reshape(-1)
+
+
+def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int,
+                 branch: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Module runs at the deepest depth that fits ``max_nodes`` once each run is also split where
+    Megatron-LM's tensor-parallel layout changes (:func:`envs.plan.megatron_layouts` on the operators),
+    so that a group never mixes column-split, row-split and replicated operators, nor two major concurrent
+    branches (``branch``: :func:`_major_branches`); None when that leaves
+    fewer than ``max_nodes / 2`` groups (as ``auto`` asks of module groups: too coarse for the policy) or
+    even depth 0 split by layout does not fit."""
+    layout = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64,
+                         count=graph.num_nodes)
     for d in range(len(levels) - 1, -1, -1):
         group_of = _label_runs(graph, (levels[d] * len(LAYOUTS) + layout) * (int(branch.max()) + 1) + branch)
         if group_of.max() + 1 <= max_nodes:

@@ -15,6 +15,7 @@ from envs.placement.options import N_MODIFIERS
 from envs.presets import preset
 from envs.tasks import Task
 
+SIAMESE = "experiments/models/siamese_encoder.py:build:layers=2,width=64,vocab=500,seq=16,batch=8"
 CLIP = ("experiments/models/clip_like.py:build:layers=2,vision_width=128,text_width=64,image=64,vocab=1000,"
         "context=16,embed=64,batch=16")
 
@@ -80,6 +81,30 @@ def test_auto_groups_never_mix_two_towers(max_nodes):
     _, grouping = coarsen(g, max_nodes)
     for k in range(grouping.num_groups):
         assert not {0, 1} <= set(tower[grouping.group_of == k].tolist())
+
+
+@pytest.mark.parametrize("max_nodes", [7, 16, 25, 40])
+def test_auto_groups_never_mix_the_two_calls_of_a_shared_encoder(max_nodes):
+    """A Siamese model's two encoder calls have the same module paths: module runs used to take both
+    calls' layers together (25 of 26 groups mixed at max_nodes 37-49, some at every size)."""
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec(SIAMESE)
+    regions = branch_regions(g)
+    assert [len(r) for r in regions] == [2]
+    side = np.full(g.num_nodes, -1)
+    for i, b in enumerate(regions[0]):
+        side[b] = i
+    _, grouping = coarsen(g, max_nodes)
+    assert grouping.num_groups <= max_nodes
+    for k in range(grouping.num_groups):
+        assert not {0, 1} <= set(side[grouping.group_of == k].tolist())
+
+
+def test_branch_labels_give_way_when_even_one_run_per_branch_is_too_many():
+    g, _ = _clip()
+    coarse, grouping = coarsen(g, 3)
+    assert coarse.num_nodes <= 3 and grouping.num_groups == coarse.num_nodes
 
 
 def test_branch_start_runs_the_towers_side_by_side_on_the_two_quads():
