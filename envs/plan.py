@@ -81,30 +81,22 @@ def plan_defaults(graph: OpGraph) -> dict:
 
 
 def _device_groups(groups: list) -> list[tuple[int, ...]]:
-    """Every node's device group as a tuple of ints (:func:`_device_group`), equal tuples converted once
-    (a plan's nodes share a few groups)."""
+    """Every node's device group as a tuple of ints (:func:`_device_group`); when they are all tuples,
+    each distinct one is converted once (a plan's nodes share a few groups)."""
     try:
         distinct = dict.fromkeys(groups)
-    except TypeError:  # a list among them: no sharing
+    except TypeError:  # a list among them
         distinct = None
-    if distinct is not None and all(type(g) is tuple for g in distinct):
+    if distinct is None or any(type(g) is not tuple for g in distinct):
+        return [_device_group(g, i) for i, g in enumerate(groups)]
+    canon = {}
+    for g in distinct:
         try:
-            canon = {g: _device_group(g, -1) for g in distinct}
+            canon[g] = _device_group(g, -1)
         except PlanError:
-            pass  # the loop below names the node
-        else:
-            return [canon[g] for g in groups]
-    memo: dict = {}
-    out = []
-    for i, g in enumerate(groups):
-        key = g if isinstance(g, tuple) else None
-        t = memo.get(key) if key is not None else None
-        if t is None:
-            t = _device_group(g, i)
-            if key is not None:
-                memo[key] = t
-        out.append(t)
-    return out
+            _device_group(g, groups.index(g))  # raises again, naming the first node with it
+            raise
+    return [canon[g] for g in groups]
 
 
 def _device_group(g, i: int) -> tuple[int, ...]:

@@ -633,12 +633,8 @@ class CompiledSimulator:
             nodes = visited[members_of[mem_ptr[b]:mem_ptr[b + 1]]]
             ks = np.arange(m - 1, dtype=np.int64)
             extra.deps((nodes[None, :] * m * 2 + ks[:, None] * 2 + 1).reshape(-1), np.repeat(first + ks, len(nodes)))
-        g_lo, g_hi = g_ptr[gid0], g_ptr[gid0 + 1]
-        reps = np.repeat(g_hi - g_lo, nk)  # each task's devices: its group's devices
-        starts = np.repeat(g_lo, nk)
-        offs = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
-        bdevs = g_dev[np.repeat(starts, reps) + offs]
-        bt_ids = np.repeat(np.arange(extra.next_id - int(nk.sum()), extra.next_id, dtype=np.int64), reps)
+        task, bdevs = expand_groups(np.repeat(gid0, nk), g_ptr, g_dev)  # each task's devices: its group's
+        bt_ids = np.arange(extra.next_id - int(nk.sum()), extra.next_id, dtype=np.int64)[task]
         return (bt_ids, bdevs), gathers
 
     def _group_resources(self, gid: int):
@@ -838,20 +834,12 @@ class _ExtraTasks:
         self.dst: list[np.ndarray] = []
 
     def add(self, dur, pri, kind, res, devices, label, host: float = 0.0) -> int:
-        self.host.append(host)
-        self.dur.append(dur)
-        self.pri.append(pri)
-        self.kind.append(kind)
-        self.res_idx.extend(res)
-        self.res_ptr.append(len(self.res_idx))
-        self.dev_idx.extend(devices)
-        self.dev_ptr.append(len(self.dev_idx))
-        self.labels.append(label)
-        self.next_id += 1
+        """One task; its id."""
+        self.add_many([dur], [pri], kind, [res], [devices], [label], [host])
         return self.next_id - 1
 
     def add_many(self, dur: list, pri: list, kind: int, res: list, devices: list, labels: list, host: list) -> None:
-        """Tasks of one kind, as :meth:`add` would append them one by one."""
+        """Tasks of one kind, in order (their ids follow ``next_id``)."""
         self.host.extend(host)
         self.dur.extend(dur)
         self.pri.extend(pri)
