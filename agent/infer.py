@@ -402,10 +402,9 @@ def policy_env(model, task, objective: str, max_groups: int | None, evaluator=No
     try:
         env = PlacementEnv([task], evaluator=evaluator, **kw)
     except RlplaceError:
-        if not fits:
-            raise
-        # a denser coarse graph than the training padding: more edge slots (the GNN does not mind)
-        kw.update(max_edges=8 * n_groups, max_options=None)
+        # a denser coarse graph than the padding (DenseNet's concatenations): as many edge slots as it can
+        # have -- each coarse edge stands for at least one of the graph's edges; the GNN does not mind
+        kw.update(max_edges=max(8 * n_groups, task.graph.num_edges), max_options=None)
         env, fits = PlacementEnv([task], evaluator=evaluator, **kw), False
 
     def factory():

@@ -505,6 +505,27 @@ def test_place_returns_the_best_candidate_as_simulated(run):
     assert policy_groups(model, None) == DEFAULT_POLICY_GROUPS == 128
 
 
+def test_place_takes_a_coarse_graph_denser_than_the_padding(run):
+    """A DenseNet-style graph (every layer reads every earlier one) coarsens to more edges than the
+    environment's default 4 per group; ``place`` widens the edge padding instead of failing, for a policy
+    whose padding the task fits and for one it does not."""
+    from envs.graph import GraphBuilder
+    from envs.presets import resolve_topology
+
+    b = GraphBuilder()
+    outs = [b.node("input", "input", "input", 0.0, 0.0, 2e6)]
+    for i in range(48):
+        outs.append(b.node(f"layers.{i}", "linear", f"layers.{i}", 4e9, 1e6, 2e6, outs))
+    g = b.build(batch_size=8, dtype="bf16", name="dense")
+    topo = resolve_topology("pcie-4gpu")
+    model = MaskablePPO.load(run["res"].model_path, device="cpu")
+    for groups in (model_shape(model)["max_nodes"], 16):
+        res = place(g, topo, model=model, samples=1, max_groups=groups, baselines=False)
+        assert res.candidates[0].kind == "policy"
+        res.plan.validate(g, topo)
+        assert res.plan.provenance["predicted_step_time"] == _fresh_value(g, topo, res.plan)
+
+
 def test_policy_places_in_its_training_runs_episode_mode(run, tmp_path):
     """A policy whose run config says ``mode: refine`` places by refining (best visited plan kept too)."""
     import shutil
