@@ -18,23 +18,77 @@ from envs.graph import OpGraph
 MIN_BRANCH_LOAD = 0.10
 
 
+# a module's concurrent children (an HRNet stage's resolution branches, a multi-task model's heads) are kept apart
+# in the grouping when those beyond the heaviest carry at least this share of the step's load; a layer's gate and
+# up projections (about 1% in an 8-layer Llama) are not
+MIN_SIBLING_LOAD = 0.02
+
+
+def reachable(graph: OpGraph, downstream: bool = True) -> list[int]:
+    """Per node, the bitset (an int) of its descendants (``downstream``) or ancestors, in one pass."""
+    n = graph.num_nodes
+    order = graph.topological_order().tolist()
+    nxt: list[list[int]] = [[] for _ in range(n)]
+    src, dst = graph.edge_src.tolist(), graph.edge_dst.tolist()
+    for a, b in zip(src, dst) if downstream else zip(dst, src):
+        nxt[a].append(b)
+    bits = [0] * n
+    for v in reversed(order) if downstream else order:
+        for w in nxt[v]:
+            bits[v] |= bits[w] | (1 << w)
+    return bits
+
+
 def junctions(graph: OpGraph) -> np.ndarray:
     """Bool per node: comparable with every other node (reachability as bitsets, one pass each way)."""
     n = graph.num_nodes
-    order = graph.topological_order().tolist()
-    succ: list[list[int]] = [[] for _ in range(n)]
-    pred: list[list[int]] = [[] for _ in range(n)]
-    for a, b in zip(graph.edge_src.tolist(), graph.edge_dst.tolist()):
-        succ[a].append(b)
-        pred[b].append(a)
-    desc, anc = [0] * n, [0] * n
-    for v in reversed(order):
-        for s in succ[v]:
-            desc[v] |= desc[s] | (1 << s)
-    for v in order:
-        for p in pred[v]:
-            anc[v] |= anc[p] | (1 << p)
+    desc, anc = reachable(graph), reachable(graph, downstream=False)
     return np.array([(desc[v] | anc[v]).bit_count() == n - 1 for v in range(n)], dtype=bool)
+
+
+def concurrent_children(graph: OpGraph, parent: np.ndarray, child: np.ndarray, load: np.ndarray,
+                        min_load: float = MIN_SIBLING_LOAD, min_child_load: float = 0.0,
+                        reach: tuple[list[int], list[int]] | None = None) -> np.ndarray:
+    """Per node, its ``child`` label where that child runs concurrently with a sibling, else -1.
+
+    ``parent`` and ``child`` label each node's module at two successive depths (``child`` -1: a node of the
+    parent itself). Two children of one parent are concurrent when no path joins their nodes either way.
+    A child lighter than ``min_child_load`` of the graph's total ``load`` (per node) is not kept apart (it
+    would not fill a group of its own), and a parent's concurrent children count only when those beyond
+    the heaviest carry at least ``min_load`` of it: where running them side by side can matter. ``reach``:
+    :func:`reachable`'s (descendants, ancestors) bitsets, when the caller has them."""
+    out = np.full(graph.num_nodes, -1, dtype=np.int64)
+    total = max(float(load.sum()), 1e-300)
+    members: dict[int, dict[int, list[int]]] = {}
+    for v, (p, c) in enumerate(zip(parent.tolist(), child.tolist())):
+        if c >= 0:
+            members.setdefault(p, {}).setdefault(c, []).append(v)
+    families = []
+    for kids in members.values():  # the children heavy enough, where they could carry min_load
+        heavy = {c: vs for c, vs in kids.items() if float(load[vs].sum()) / total >= min_child_load}
+        shares = [float(load[vs].sum()) / total for vs in heavy.values()]
+        if len(heavy) >= 2 and sum(shares) - max(shares) >= min_load:
+            families.append(heavy)
+    if not families:
+        return out
+    desc, anc = reach if reach is not None else (reachable(graph), reachable(graph, downstream=False))
+    for kids in families:
+        labels = list(kids)
+        own = [sum(1 << v for v in kids[c]) for c in labels]
+        below, above = [0] * len(labels), [0] * len(labels)
+        for i, c in enumerate(labels):
+            for v in kids[c]:
+                below[i] |= desc[v]
+                above[i] |= anc[v]
+        everyone = sum(own)  # the children's nodes are disjoint
+        apart = [i for i in range(len(labels))
+                 if (everyone ^ own[i]) & ~(below[i] | above[i])  # some sibling node unordered with child i
+                 and any(j != i and not (below[i] | above[i]) & own[j] for j in range(len(labels)))]
+        weights = [float(load[kids[labels[i]]].sum()) / total for i in apart]
+        if weights and sum(weights) - max(weights) >= min_load:
+            for i in apart:
+                out[kids[labels[i]]] = labels[i]
+    return out
 
 
 def branch_of(graph: OpGraph) -> np.ndarray:

@@ -22,6 +22,14 @@ expands a plan on groups into a plan on ops (and projects one back). Methods:
   deepest depth that fits; if that leaves fewer than ``max_nodes / 2`` groups, start instead from the
   next deeper depth and light-merge down to ``max_nodes`` (pure light merging when the graph has no
   module paths).
+- ``concurrent``: ``auto``, and also keeps apart concurrent children (sibling modules no path joins: an
+  HRNet stage's resolution branches, a multi-task model's heads) of the modules at any depth below the
+  chosen one, where those beyond the heaviest carry at least :data:`envs.branches.MIN_SIBLING_LOAD` of the
+  step and each at least ``1 / max_nodes``: the runs are split between such children and between chains
+  of one label that no edge joins (an HRNet stage's fused outputs), then light-merged back to
+  ``max_nodes`` along chain edges first (``auto``'s runs interleave the children, so no plan on its groups
+  runs them side by side). Where no child is kept apart it is ``auto``'s grouping (recorded as ``auto``).
+  A refine-mode environment takes whichever of the two groupings has the faster refine start.
 
 Acyclicity: a contraction u -> v is done only if no other path u ~> v exists. The merger keeps a
 topological order of the groups and repairs it after each contraction like Pearce & Kelly's dynamic
@@ -40,12 +48,12 @@ import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components
 
-from envs.branches import major_regions, step_load
+from envs.branches import concurrent_children, major_regions, reachable, step_load
 from envs.errors import GraphError, PlanError
 from envs.graph import OpGraph
 from envs.plan import LAYOUTS, Plan, megatron_layouts
 
-METHODS = ("auto", "module", "light", "partition")
+METHODS = ("auto", "module", "light", "partition", "concurrent")
 SEARCH_BUDGET = 2000  # groups one acyclicity search may visit before the contraction counts as unsafe
 FAR_BUDGET = 64  # the same for groups far apart in the order (their region is rarely small)
 
@@ -167,19 +175,24 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
             group_of = _label_runs(graph, levels[level]) if level else _topo_identity(graph)
             if group_of.max() + 1 > max_nodes:
                 group_of = _light(graph, group_of, max_nodes)
-        else:  # auto
+        else:  # auto, concurrent
+            split = info if method == "concurrent" else None  # where the split records itself
             if len(levels) == 1:  # no module paths at all
                 group_of = _light(graph, _topo_identity(graph), max_nodes)
             else:
                 branch = _major_branches(graph)
-                pure = _layout_pure(graph, levels, max_nodes, branch)
+                pure = _layout_pure(graph, levels, max_nodes, branch, split)
                 if pure is not None:
                     group_of, level = pure
                     info["layout_pure"] = True
                 else:
-                    group_of, level, finer = _module(graph, levels, max_nodes, keep_finer=True, branch=branch)
+                    group_of, level, finer = _module(graph, levels, max_nodes, keep_finer=True, branch=branch,
+                                                     siblings=split)
                     if finer is not None and group_of.max() + 1 < max_nodes / 2:
                         group_of, level = _light(graph, finer, max_nodes), level + 1
+                        info.pop("concurrent_children", None)  # light-merged as auto does: no split
+    if method == "concurrent" and "concurrent_children" not in info:
+        method = "auto"  # no concurrent children kept apart: auto's grouping, named so
     k = int(group_of.max()) + 1 if n else 0
     coarse = coarse_graph(graph, group_of, k, method=method)
     grouping = Grouping(group_of=group_of, num_groups=k, method=method, level=level,
@@ -189,7 +202,8 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
 
 # ---------------------------------------------------------------------- module grouping
 def _module_levels(graph: OpGraph) -> list[np.ndarray]:
-    """Integer label per op for each module-path depth 0..D (depth d: the first d path components)."""
+    """Integer label per op for each module-path depth 0..D (depth d: the first d path components; an op
+    of a shallower module keeps its whole path)."""
     comps = [p.split(".") if p else [] for p in graph.module_paths]
     depth = max((len(c) for c in comps), default=0)
     levels = []
@@ -200,21 +214,52 @@ def _module_levels(graph: OpGraph) -> list[np.ndarray]:
     return levels
 
 
+def _combine(*labels: np.ndarray) -> np.ndarray:
+    """One label per op that is equal exactly where all of ``labels`` are."""
+    return np.unique(np.stack(labels, axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+
+
 def _module(graph: OpGraph, levels: list[np.ndarray], max_nodes: int, keep_finer: bool = False,
-            branch: np.ndarray | None = None):
+            branch: np.ndarray | None = None, siblings: dict | None = None):
     """Runs at the deepest depth with at most ``max_nodes`` groups (depth 0 always fits: one run); with
     ``branch`` (:func:`_major_branches`), also split between major concurrent branches, unless even depth 0
-    split so does not fit."""
+    split so does not fit; with ``siblings`` (a dict the split is noted in), also between concurrent
+    children (:func:`_split_concurrent_children`)."""
     finer = None
-    nb = 1 if branch is None else int(branch.max()) + 1
     for d in range(len(levels) - 1, -1, -1):
-        group_of = _label_runs(graph, levels[d] * nb + (0 if branch is None else branch))
+        labels = (levels[d],) if branch is None else (levels[d], branch)
+        group_of = _label_runs(graph, _combine(*labels))
         if group_of.max() + 1 <= max_nodes:
+            if siblings is not None:
+                group_of = _split_concurrent_children(graph, levels, d, labels, group_of, max_nodes, siblings)
             return (group_of, d, finer) if keep_finer else (group_of, d)
         finer = group_of
     if branch is not None:  # even one run per branch is too many: runs across branches
-        return _module(graph, levels, max_nodes, keep_finer)
+        return _module(graph, levels, max_nodes, keep_finer, siblings=siblings)
     raise AssertionError("depth 0 is a single run")  # pragma: no cover
+
+
+def _split_concurrent_children(graph: OpGraph, levels: list[np.ndarray], d: int, labels: tuple[np.ndarray, ...],
+                               group_of: np.ndarray, max_nodes: int, info: dict) -> np.ndarray:
+    """The runs of ``labels`` (at module depth ``d``) also split between concurrent children of the modules
+    at every depth below ``d`` (:func:`envs.branches.concurrent_children`: an HRNet stage's resolution
+    branches, which a run of the stage's module interleaves, so that no plan could run them side by side)
+    and between chains of one label that no edge joins (``connected`` runs), light-merged back to
+    ``max_nodes`` along chain edges first; ``group_of`` unchanged when no child is kept apart."""
+    depth = np.fromiter((len(p.split(".")) if p else 0 for p in graph.module_paths), dtype=np.int64,
+                        count=graph.num_nodes)
+    load, reach = step_load(graph), (reachable(graph), reachable(graph, downstream=False))
+    apart = []
+    for e in range(d + 1, len(levels)):
+        child = np.where(depth >= e, levels[e], -1)  # an op of a shallower module is in no child
+        kept = concurrent_children(graph, levels[e - 1], child, load, min_child_load=1.0 / max_nodes, reach=reach)
+        if (kept >= 0).any():
+            apart.append(kept)
+    if not apart:
+        return group_of
+    info["concurrent_children"] = int(sum(np.unique(a[a >= 0]).size for a in apart))
+    split = _label_runs(graph, _combine(*labels, *apart), connected=True)
+    return split if split.max() + 1 <= max_nodes else _light(graph, split, max_nodes, chains_first=True)
 
 
 def _major_branches(graph: OpGraph) -> np.ndarray:
@@ -228,8 +273,8 @@ def _major_branches(graph: OpGraph) -> np.ndarray:
     return np.unique(branch, return_inverse=True)[1].reshape(-1)
 
 
-def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int,
-                 branch: np.ndarray) -> tuple[np.ndarray, int] | None:
+def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int, branch: np.ndarray,
+                 siblings: dict | None = None) -> tuple[np.ndarray, int] | None:
     """Module runs at the deepest depth that fits ``max_nodes`` once each run is also split where
     Megatron-LM's tensor-parallel layout changes (:func:`envs.plan.megatron_layouts` on the operators),
     so that a group never mixes column-split, row-split and replicated operators, nor two major concurrent
@@ -239,9 +284,14 @@ def _layout_pure(graph: OpGraph, levels: list[np.ndarray], max_nodes: int,
     layout = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64,
                          count=graph.num_nodes)
     for d in range(len(levels) - 1, -1, -1):
-        group_of = _label_runs(graph, (levels[d] * len(LAYOUTS) + layout) * (int(branch.max()) + 1) + branch)
+        labels = (levels[d], layout, branch)
+        group_of = _label_runs(graph, _combine(*labels))
         if group_of.max() + 1 <= max_nodes:
-            return (group_of, d) if group_of.max() + 1 >= max_nodes / 2 else None
+            if group_of.max() + 1 < max_nodes / 2:
+                return None
+            if siblings is not None:
+                group_of = _split_concurrent_children(graph, levels, d, labels, group_of, max_nodes, siblings)
+            return group_of, d
     return None
 
 
@@ -251,11 +301,14 @@ def _csr(n: int, src: np.ndarray, dst: np.ndarray) -> tuple[list[int], list[int]
     return starts.tolist(), dst[order].tolist()
 
 
-def _label_runs(graph: OpGraph, labels: np.ndarray) -> np.ndarray:
+def _label_runs(graph: OpGraph, labels: np.ndarray, connected: bool = False) -> np.ndarray:
     """Maximal same-label runs of a topological order that stays within the current label while it can
-    (otherwise takes the ready op of lowest index). Groups are numbered in that order."""
+    (otherwise takes the ready op of lowest index). Groups are numbered in that order. ``connected``: an op
+    continues the run only if one of its inputs is in the run (else a new run starts), so that a run never
+    joins concurrent chains of one label, such as the outputs an HRNet stage fuses side by side."""
     n = graph.num_nodes
     starts, succ = _csr(n, graph.edge_src, graph.edge_dst)
+    pstarts, pred = _csr(n, graph.edge_dst, graph.edge_src) if connected else (None, None)
     indeg = np.bincount(graph.edge_dst, minlength=n).tolist()
     lab = labels.tolist()
     ready = [i for i in range(n) if indeg[i] == 0]  # ascending: a valid heap
@@ -266,9 +319,20 @@ def _label_runs(graph: OpGraph, labels: np.ndarray) -> np.ndarray:
     group = [0] * n
     cur, run = -1, -1
     heappop, heappush = heapq.heappop, heapq.heappush
+
+    def joins(x: int) -> bool:  # an input of x is in the current run
+        return any(taken[u] and group[u] == run for u in pred[pstarts[x]:pstarts[x + 1]])
+
     for _ in range(n):
         h = by_label.get(cur)
         v = -1
+        if connected and h:
+            ok = [x for x in h if not taken[x] and joins(x)]
+            if ok:
+                v = min(ok)
+                h.remove(v)
+                heapq.heapify(h)
+            h = None
         while h:
             x = heappop(h)
             if not taken[x]:
@@ -326,8 +390,9 @@ def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     return a[:k]
 
 
-def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int) -> np.ndarray:
-    """Light-merge an acyclic grouping (numbered in a topological order of its quotient) to max_nodes."""
+def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int, chains_first: bool = False) -> np.ndarray:
+    """Light-merge an acyclic grouping (numbered in a topological order of its quotient) to max_nodes;
+    ``chains_first``: a group joins a neighbour along a chain edge first (:meth:`_Merger.merge_light`)."""
     k = int(group_of.max()) + 1
     gs, gd = group_of[graph.edge_src], group_of[graph.edge_dst]
     cross = gs != gd
@@ -348,7 +413,7 @@ def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int) -> np.ndarray:
             elif klass[g] != c:
                 extra.append((int(klass[g]), c))  # one group holding two classes ties them together
     m = _Merger(k, pairs // k, pairs % k, weight, prefix, klass, extra)
-    m.merge_light(max_nodes)
+    m.merge_light(max_nodes, chains_first)
     if m.alive > max_nodes:
         m.merge_adjacent(max_nodes)
     return m.relabel()[group_of]
@@ -535,9 +600,17 @@ class _Merger:
         return out
 
     # -- strategies
-    def merge_light(self, max_nodes: int) -> None:
-        """Repeatedly merge the lightest group into a neighbour (see module docstring)."""
+    def merge_light(self, max_nodes: int, chains_first: bool = False) -> None:
+        """Repeatedly merge the lightest group into a neighbour (see module docstring). ``chains_first``: a
+        neighbour along a chain edge (the producer's only consumer, or the consumer's only producer) comes
+        first, since joining it takes no concurrency away (linear clustering: Sarkar, "Partitioning and
+        Scheduling Parallel Programs for Multiprocessors", 1989)."""
         w, pos, ver = self.w, self.pos, self.version
+        succ, pred = self.succ, self.pred
+
+        def apart(g: int, x: int) -> bool:  # not a chain edge between g and its neighbour x
+            return not (len(succ[g]) == 1 or len(pred[x]) == 1 if x in succ[g] else
+                        len(pred[g]) == 1 or len(succ[x]) == 1)
         heap = [(w[g], pos[g], g, 0) for g in range(len(w))]
         heapq.heapify(heap)
         stuck: set[int] = set()
@@ -547,8 +620,8 @@ class _Merger:
                 continue
             pre, pg = self.pred[g], self.prefix[g]
             cands = sorted(self.pred[g] | self.succ[g],
-                           key=lambda x: (self._new_tie(g, x), -len(_common(pg, self.prefix[x])), w[x],
-                                          x not in pre, pos[x]))
+                           key=lambda x: (self._new_tie(g, x), chains_first and apart(g, x),
+                                          -len(_common(pg, self.prefix[x])), w[x], x not in pre, pos[x]))
             keep = -1
             for x in cands:
                 keep = self._contract(x, g) if x in pre else self._contract(g, x)

@@ -3,12 +3,14 @@ the refine start that runs them side by side on disjoint device groups."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 import numpy as np
 import pytest
 
-from envs.branches import balanced_bins, branch_of, branch_regions, junctions
-from envs.coarsen import coarsen
+from envs.branches import balanced_bins, branch_of, branch_regions, concurrent_children, junctions
+from envs.coarsen import _label_runs, coarsen
 from envs.graph import OpGraph, chain_graph
 from envs.placement.env import PlacementEnv
 from envs.placement.options import N_MODIFIERS
@@ -16,15 +18,23 @@ from envs.presets import preset
 from envs.tasks import Task
 
 SIAMESE = "experiments/models/siamese_encoder.py:build:layers=2,width=64,vocab=500,seq=16,batch=8"
+HRNET = "experiments/models/hrnet_like.py:build:batch=2,image=64,width=8,stages=2"
 CLIP = ("experiments/models/clip_like.py:build:layers=2,vision_width=128,text_width=64,image=64,vocab=1000,"
         "context=16,embed=64,batch=16")
 
 
-def _dag(n: int, edges: list[tuple[int, int]]) -> OpGraph:
+def _dag(n: int, edges: list[tuple[int, int]], module_paths: list[str] | None = None) -> OpGraph:
     src, dst = (np.array(x, dtype=np.int64) for x in zip(*edges))
     return OpGraph(names=[f"op{i}" for i in range(n)], kinds=["linear"] * n, fwd_flops=np.full(n, 1e9),
                    param_bytes=np.zeros(n), out_bytes=np.full(n, 1e6), edge_src=src, edge_dst=dst,
-                   edge_bytes=np.full(len(edges), 1e6), batch_size=8)
+                   edge_bytes=np.full(len(edges), 1e6), batch_size=8, module_paths=module_paths)
+
+
+def _prefix_labels(paths: list[str], depth: int) -> np.ndarray:
+    """Each path's first ``depth`` components as an integer label; -1 for a shallower path."""
+    ids: dict[str, int] = {}
+    return np.array([ids.setdefault(".".join(p.split(".")[:depth]), len(ids)) if len(p.split(".")) >= depth else -1
+                     for p in paths])
 
 
 def _clip():
@@ -144,3 +154,88 @@ def test_no_branch_start_without_branches_or_for_small_branches():
     env.reset(seed=0)
     assert branch_regions(env.prepared.graph) != []
     assert branch_parallel_assignments(env.prepared) == {}
+
+
+def test_concurrent_children_are_the_sibling_modules_no_path_joins():
+    # stem -> two branches of two ops -> the stage's own merge op -> a head of two ops in sequence
+    paths = ["stem", "stage.branches.0.conv", "stage.branches.0.norm", "stage.branches.1.conv",
+             "stage.branches.1.norm", "stage.branches", "head.fc1", "head.fc2"]
+    g = _dag(8, [(0, 1), (1, 2), (0, 3), (3, 4), (2, 5), (4, 5), (5, 6), (6, 7)], paths)
+    parent, child = _prefix_labels(paths, 2), _prefix_labels(paths, 3)
+    load = np.full(8, 1 / 8)
+    kept = concurrent_children(g, parent, child, load)
+    assert kept.tolist() == [-1, child[1], child[1], child[3], child[3], -1, -1, -1]
+    assert child[1] != child[3]
+    # the head's two modules are children of "head" (depth 1) in sequence: never kept apart
+    assert (concurrent_children(g, _prefix_labels(paths, 1), _prefix_labels(paths, 2), load)[6:] == -1).all()
+    # too little beyond the heaviest child, or a child too light for a group of its own: none
+    assert (concurrent_children(g, parent, child, load, min_load=0.3) == -1).all()
+    light = load.copy()
+    light[[3, 4]] = 1e-4
+    assert (concurrent_children(g, parent, child, light, min_load=0.0, min_child_load=0.01) == -1).all()
+
+
+def test_connected_runs_never_join_chains_no_edge_joins():
+    # x feeds two chains of one label (a -> b, c -> d): one run of that label, or two when connected
+    g = _dag(5, [(0, 1), (1, 2), (0, 3), (3, 4)])
+    labels = np.array([0, 1, 1, 1, 1])
+    plain, connected = _label_runs(g, labels), _label_runs(g, labels, connected=True)
+    assert plain.tolist() == [0, 1, 1, 1, 1]
+    assert connected.tolist() == [0, 1, 1, 2, 2]
+    # an op whose input is in the run continues it
+    assert _label_runs(chain_graph(4), np.zeros(4, dtype=np.int64), connected=True).tolist() == [0, 0, 0, 0]
+
+
+def _hrnet_branch_of() -> tuple[OpGraph, np.ndarray]:
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec(HRNET)
+    branch = np.array([".".join(p.split(".")[:4]) if p.startswith("stages.") and ".branches." in p else ""
+                       for p in g.module_paths])
+    return g, branch
+
+
+@pytest.mark.parametrize("max_nodes", [24, 36, 48, 66])
+def test_concurrent_groups_keep_an_hrnet_stages_resolution_branches_apart(max_nodes):
+    """auto's runs of a stage interleave its four resolution branches; concurrent's never mix two."""
+    g, branch = _hrnet_branch_of()
+
+    def mixed(grouping) -> int:
+        return sum(len({b for b in branch[grouping.group_of == k] if b}) > 1 for k in range(grouping.num_groups))
+
+    _, auto = coarsen(g, max_nodes, "auto")
+    coarse, split = coarsen(g, max_nodes, "concurrent")
+    assert mixed(auto) > 0 and mixed(split) == 0
+    assert split.method == "concurrent" and split.info["concurrent_children"] > 0
+    assert coarse.num_nodes == split.num_groups <= max_nodes
+
+
+def test_concurrent_is_auto_where_no_child_is_kept_apart():
+    from envs.examples import transformer_graph
+
+    g = transformer_graph(layers=6, hidden=256, heads=4, seq=64, batch=4)
+    _, auto = coarsen(g, 24, "auto")
+    _, split = coarsen(g, 24, "concurrent")
+    assert split.method == "auto" and "concurrent_children" not in split.info
+    assert (split.group_of == auto.group_of).all()
+
+
+def test_refine_env_takes_the_grouping_with_the_faster_start():
+    """On a host-bound HRNet the groups that keep the branches apart start faster (branches on different
+    GPUs); the environment keeps whichever grouping's refine start is faster, auto's on a tie."""
+    from envs.placement.task_setup import prepare_task, refine_start
+
+    g, _ = _hrnet_branch_of()
+    task = Task(g, preset("dgx-a100-80g"))
+    env = PlacementEnv([task], mode="refine", max_nodes=48)
+    env.reset(seed=0)
+    starts = {}
+    for method in ("auto", "concurrent"):
+        prep = prepare_task(task, replace(env._settings, coarsen_method=method))
+        starts[method] = refine_start(prep, env._scoring, env.refine_init, env.microbatch_choices, "test").result.value
+    chosen = env.prepared.grouping.method
+    assert starts[chosen] == min(starts.values())
+    assert chosen == ("concurrent" if starts["concurrent"] < starts["auto"] else "auto")
+    assert env.prepared.start.result.value == starts[chosen]
+    # place mode keeps auto's groups (the policy's training distribution)
+    assert PlacementEnv([task], mode="place", max_nodes=48)._prepare(task).grouping.method == "auto"
