@@ -243,7 +243,7 @@ class PlacementEnv(gym.Env):
         concurrent children apart (``envs.coarsen``'s ``concurrent``: an HRNet's resolution branches), the
         one whose refine start simulates faster (``auto``'s on a tie). Keeping children apart takes groups
         from elsewhere: a random series-parallel graph's 384 operators lose their layout-pure groups
-        (Megatron's pipeline x tensor-parallel start 625 ms -> 659 ms), an HRNet gains (38 ms -> 21 ms)."""
+        (Megatron's pipeline x tensor-parallel start 625 ms -> 659 ms), an HRNet gains (35 ms -> 21 ms)."""
         if self.mode != "refine" or self.coarsen_method != "auto":
             return prepare_task(task, self._settings)
         split = prepare_task(task, replace(self._settings, coarsen_method="concurrent"))
