@@ -230,7 +230,9 @@ def build_model(spec: str, *, input_shape: Sequence[int] | None = None,
             module, inputs = out
         else:
             raise SpecError(f"{fs[0]}:{fs[1]}() must return (module, example_inputs) or a module, "
-                            f"got {type(out).__name__}")
+                            f"got {type(out).__name__}" + (" of 3: for keyword arguments, give example_inputs "
+                                                           "as a dict of keyword tensors" if isinstance(out, tuple)
+                                                           and len(out) == 3 else ""))
         if input_shape is not None:
             inputs = (shape_input,)
         if inputs is None:

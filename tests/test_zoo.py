@@ -113,6 +113,20 @@ def test_file_spec(tmp_path):
 
         def broken():
             raise RuntimeError("boom")
+
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, x, mask=None):
+                return self.fc(x) * mask
+
+        def keywords():
+            return Masked(), {"x": torch.randn(5, 8), "mask": torch.ones(5, 8)}
+
+        def args_and_keywords():
+            return Masked(), (torch.randn(5, 8),), {"mask": torch.ones(5, 8)}
     """))
     g = graph_from_spec(f"{f}:build")
     assert g.num_nodes == 4 and g.batch_size == 5 and g.kinds == ["input", "linear", "gelu", "linear"]
@@ -126,6 +140,11 @@ def test_file_spec(tmp_path):
         graph_from_spec(f"{f}:broken")
     with pytest.raises(SpecError, match="not found"):
         graph_from_spec(f"{tmp_path}/missing.py:build")
+    # keyword inputs: a dict of keyword tensors; a (module, args, kwargs) triple says so in its error
+    g3 = graph_from_spec(f"{f}:keywords")
+    assert g3.batch_size == 5 and g3.kinds.count("input") == 2 and "linear" in g3.kinds
+    with pytest.raises(SpecError, match="tuple of 3: for keyword arguments, give example_inputs as a dict"):
+        graph_from_spec(f"{f}:args_and_keywords")
 
 
 def test_graph_json_spec(tmp_path):
