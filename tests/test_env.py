@@ -843,6 +843,28 @@ def test_megatron_starts_on_each_device_kinds_group_of_a_heterogeneous_cluster()
     assert any(name.startswith("megatron tp7") for name in starts)  # all devices, as before
 
 
+def test_single_device_starts_on_each_device_kind_of_a_heterogeneous_cluster():
+    """Every group on each kind's first device, only where there are several kinds: a host-bound chain of
+    many small operators runs faster on another kind's device than on the A100 the reference plan takes."""
+    from envs.placement.options import N_MODIFIERS
+    from envs.placement.task_setup import single_device_assignments
+
+    g = chain_graph(300, flops=1e7, act_bytes=1e4, batch_size=1)
+    env = PlacementEnv([Task(g, preset("hetero"))], mode="refine", max_nodes=300, max_devices=8, coarsen=False)
+    env.reset(seed=0)
+    prep = env.prepared
+    starts = single_device_assignments(prep)
+    assert set(starts) == {f"single device {kind}" for kind in ("a100-80g", "v100-32g", "t4", "cpu")}
+    for kind, members in prep.task.topology.devices_by_kind().items():
+        rows = set((starts[f"single device {kind}"] // N_MODIFIERS).tolist())
+        assert {prep.options.groups[r] for r in rows} == {(members[0],)}
+    assert prep.start.name.startswith("single device ") and prep.start.name != "single device a100-80g"
+    assert prep.start.result.value < env._ref["times"]["single_device"]
+    homogeneous = PlacementEnv([Task(g, preset("pcie-4gpu"))], mode="refine", max_nodes=300, coarsen=False)
+    homogeneous.reset(seed=0)
+    assert single_device_assignments(homogeneous.prepared) == {}
+
+
 def test_kind_pipeline_starts_put_data_parallel_stages_on_each_device_kind():
     """On a cluster of several kinds, a start's stages are each kind's group (the kind of more
     throughput first), contiguous in topological order, data parallel over the group, at the smallest
