@@ -63,31 +63,33 @@ def concurrent_children(graph: OpGraph, parent: np.ndarray, child: np.ndarray, l
     for v, (p, c) in enumerate(zip(parent.tolist(), child.tolist())):
         if c >= 0:
             members.setdefault(p, {}).setdefault(c, []).append(v)
+    share = {(p, c): float(load[vs].sum()) / total for p, kids in members.items() for c, vs in kids.items()}
+
+    def carry(weights: list[float]) -> bool:  # those beyond the heaviest carry min_load
+        return len(weights) >= 2 and sum(weights) - max(weights) >= min_load
+
     families = []
-    for kids in members.values():  # the children heavy enough, where they could carry min_load
-        heavy = {c: vs for c, vs in kids.items() if float(load[vs].sum()) / total >= min_child_load}
-        shares = [float(load[vs].sum()) / total for vs in heavy.values()]
-        if len(heavy) >= 2 and sum(shares) - max(shares) >= min_load:
-            families.append(heavy)
+    for p, kids in members.items():  # the children heavy enough, where they could carry min_load
+        heavy = [c for c in kids if share[p, c] >= min_child_load]
+        if carry([share[p, c] for c in heavy]):
+            families.append((p, heavy))
     if not families:
         return out
     desc, anc = reach if reach is not None else (reachable(graph), reachable(graph, downstream=False))
-    for kids in families:
-        labels = list(kids)
-        own = [sum(1 << v for v in kids[c]) for c in labels]
-        below, above = [0] * len(labels), [0] * len(labels)
-        for i, c in enumerate(labels):
-            for v in kids[c]:
-                below[i] |= desc[v]
-                above[i] |= anc[v]
+    for p, labels in families:
+        nodes = [members[p][c] for c in labels]
+        own = [sum(1 << v for v in vs) for vs in nodes]
+        around = [0] * len(labels)  # the nodes a path joins to the child's, either way
+        for i, vs in enumerate(nodes):
+            for v in vs:
+                around[i] |= desc[v] | anc[v]
         everyone = sum(own)  # the children's nodes are disjoint
         apart = [i for i in range(len(labels))
-                 if (everyone ^ own[i]) & ~(below[i] | above[i])  # some sibling node unordered with child i
-                 and any(j != i and not (below[i] | above[i]) & own[j] for j in range(len(labels)))]
-        weights = [float(load[kids[labels[i]]].sum()) / total for i in apart]
-        if weights and sum(weights) - max(weights) >= min_load:
+                 if (everyone ^ own[i]) & ~around[i]  # some sibling node unordered with child i
+                 and any(j != i and not around[i] & own[j] for j in range(len(labels)))]
+        if carry([share[p, labels[i]] for i in apart]):
             for i in apart:
-                out[kids[labels[i]]] = labels[i]
+                out[nodes[i]] = labels[i]
     return out
 
 
