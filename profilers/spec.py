@@ -229,10 +229,10 @@ def build_model(spec: str, *, input_shape: Sequence[int] | None = None,
         elif isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module):
             module, inputs = out
         else:
+            hint = (" of 3: for keyword arguments, give example_inputs as a dict of keyword tensors"
+                    if isinstance(out, tuple) and len(out) == 3 else "")
             raise SpecError(f"{fs[0]}:{fs[1]}() must return (module, example_inputs) or a module, "
-                            f"got {type(out).__name__}" + (" of 3: for keyword arguments, give example_inputs "
-                                                           "as a dict of keyword tensors" if isinstance(out, tuple)
-                                                           and len(out) == 3 else ""))
+                            f"got {type(out).__name__}{hint}")
         if input_shape is not None:
             inputs = (shape_input,)
         if inputs is None:
