@@ -105,6 +105,31 @@ def test_transformer_names_and_kinds():
     assert g.name == "tiny-gpt"
 
 
+class _ScatterMessages(nn.Module):
+    """Graph attention's edge softmax: a per-node max by scatter_reduce, sums by index_add_, a cumprod."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, edge_index):
+        src, dst = edge_index[0], edge_index[1]
+        score = self.proj(x)[src].sum(-1)
+        peak = x.new_zeros(x.shape[0]).scatter_reduce(0, dst, score, reduce="amax", include_self=False)
+        w = torch.exp(score - peak[dst])
+        total = x.new_zeros(x.shape[0]).index_add_(0, dst, w)
+        out = torch.zeros_like(x).index_add_(0, dst, x[src] * (w / total[dst]).unsqueeze(-1))
+        return torch.cumprod(torch.sigmoid(out), dim=-1)
+
+
+def test_scatter_ops_are_gathers():
+    """Scatter and index reductions are classified with the gathers, not as kinds of their own."""
+    edge_index = torch.stack([torch.arange(12) % 6, (torch.arange(12) * 5 + 1) % 6])
+    g = trace(_ScatterMessages(), (torch.randn(6, 8), edge_index), batch_size=6, dtype="fp32")
+    assert {"scatter_reduce", "index_add", "cumprod"}.isdisjoint(g.kinds)
+    assert g.kinds.count("gather") >= 3 and "elementwise" in g.kinds
+
+
 def test_lstm_and_multibranch():
     model, inputs = gnmt(layers=3, hidden=32, vocab=50, seq=5, batch=2)
     g = trace(model, inputs, batch_size=2)
