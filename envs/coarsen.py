@@ -27,8 +27,13 @@ expands a plan on groups into a plan on ops (and projects one back). Methods:
   chosen one, where those beyond the heaviest carry at least :data:`envs.branches.MIN_SIBLING_LOAD` of the
   step and each at least ``1 / max_nodes``: the runs are split between such children and between chains
   of one label that no edge joins (an HRNet stage's fused outputs), then light-merged back to
-  ``max_nodes`` along chain edges first (``auto``'s runs interleave the children, so no plan on its groups
-  runs them side by side). Where no child is kept apart it is ``auto``'s grouping (recorded as ``auto``).
+  ``max_nodes``, a group joining first a neighbour whose every op it precedes or follows (``auto``'s runs
+  interleave the children, so no plan on its groups runs them side by side). Where ``auto`` light-merges
+  from the next deeper depth, the same ordered merge (``auto``'s took an ensemble's input with the first
+  layers of two members). Where neither changes ``auto``'s grouping it is that (recorded as ``auto``).
+- ``concurrent-chains``: ``concurrent``'s split, light-merged back along chain edges first (a producer's
+  only consumer, a consumer's only producer), which may put unordered ops together: an HRNet's resampling
+  convolutions join the sum they feed, beside the branch that sums them, rather than the branch they read.
   A refine-mode environment takes whichever of the two groupings has the faster refine start.
 
 Acyclicity: a contraction u -> v is done only if no other path u ~> v exists. The merger keeps a
@@ -53,7 +58,7 @@ from envs.errors import GraphError, PlanError
 from envs.graph import OpGraph
 from envs.plan import LAYOUTS, Plan, megatron_layouts
 
-METHODS = ("auto", "module", "light", "partition", "concurrent")
+METHODS = ("auto", "module", "light", "partition", "concurrent", "concurrent-chains")
 SEARCH_BUDGET = 2000  # groups one acyclicity search may visit before the contraction counts as unsafe
 FAR_BUDGET = 64  # the same for groups far apart in the order (their region is rarely small)
 
@@ -175,8 +180,10 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
             group_of = _label_runs(graph, levels[level]) if level else _topo_identity(graph)
             if group_of.max() + 1 > max_nodes:
                 group_of = _light(graph, group_of, max_nodes)
-        else:  # auto, concurrent
-            split = info if method == "concurrent" else None  # where the split records itself
+        else:  # auto, concurrent, concurrent-chains
+            split = info if method.startswith("concurrent") else None  # where the split records itself
+            if split is not None:
+                split["merge"] = "chains" if method == "concurrent-chains" else "ordered"
             if len(levels) == 1:  # no module paths at all
                 group_of = _light(graph, _topo_identity(graph), max_nodes)
             else:
@@ -191,8 +198,14 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
                     if finer is not None and group_of.max() + 1 < max_nodes / 2:
                         group_of, level = _light(graph, finer, max_nodes), level + 1
                         info.pop("concurrent_children", None)  # light-merged as auto does: no split
-    if method == "concurrent" and "concurrent_children" not in info:
+                        if split is not None and split["merge"] == "ordered":  # unordered ops apart first
+                            ordered = _light(graph, finer, max_nodes,
+                                             reach=(reachable(graph), reachable(graph, downstream=False)))
+                            if not np.array_equal(ordered, group_of):
+                                group_of, info["ordered_merge"] = ordered, True
+    if method.startswith("concurrent") and not {"concurrent_children", "ordered_merge"} & info.keys():
         method = "auto"  # no concurrent children kept apart: auto's grouping, named so
+        info.pop("merge", None)
     k = int(group_of.max()) + 1 if n else 0
     coarse = coarse_graph(graph, group_of, k, method=method)
     grouping = Grouping(group_of=group_of, num_groups=k, method=method, level=level,
@@ -245,7 +258,8 @@ def _split_concurrent_children(graph: OpGraph, levels: list[np.ndarray], d: int,
     at every depth below ``d`` (:func:`envs.branches.concurrent_children`: an HRNet stage's resolution
     branches, which a run of the stage's module interleaves, so that no plan could run them side by side)
     and between chains of one label that no edge joins (``connected`` runs), light-merged back to
-    ``max_nodes`` along chain edges first; ``group_of`` unchanged when no child is kept apart."""
+    ``max_nodes``, ordered neighbours first (:meth:`_Merger.merge_light`); ``group_of`` unchanged when no
+    child is kept apart."""
     depth = np.fromiter((len(p.split(".")) if p else 0 for p in graph.module_paths), dtype=np.int64,
                         count=graph.num_nodes)
     load, reach = step_load(graph), (reachable(graph), reachable(graph, downstream=False))
@@ -259,7 +273,9 @@ def _split_concurrent_children(graph: OpGraph, levels: list[np.ndarray], d: int,
         return group_of
     info["concurrent_children"] = int(sum(np.unique(a[a >= 0]).size for a in apart))
     split = _label_runs(graph, _combine(*labels, *apart), connected=True)
-    return split if split.max() + 1 <= max_nodes else _light(graph, split, max_nodes, chains_first=True)
+    if split.max() + 1 <= max_nodes:
+        return split
+    return _light(graph, split, max_nodes, reach=reach, chains=info["merge"] == "chains")
 
 
 def _major_branches(graph: OpGraph) -> np.ndarray:
@@ -390,9 +406,12 @@ def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     return a[:k]
 
 
-def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int, chains_first: bool = False) -> np.ndarray:
+def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int,
+           reach: tuple[list[int], list[int]] | None = None, chains: bool = False) -> np.ndarray:
     """Light-merge an acyclic grouping (numbered in a topological order of its quotient) to max_nodes;
-    ``chains_first``: a group joins a neighbour along a chain edge first (:meth:`_Merger.merge_light`)."""
+    with ``reach`` (each op's descendants and ancestors as bitsets, :func:`envs.branches.reachable`), a
+    group joins a neighbour whose every op it precedes or follows first, or with ``chains`` a neighbour
+    along a chain edge first (:meth:`_Merger.merge_light`)."""
     k = int(group_of.max()) + 1
     gs, gd = group_of[graph.edge_src], group_of[graph.edge_dst]
     cross = gs != gd
@@ -413,7 +432,9 @@ def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int, chains_first: b
             elif klass[g] != c:
                 extra.append((int(klass[g]), c))  # one group holding two classes ties them together
     m = _Merger(k, pairs // k, pairs % k, weight, prefix, klass, extra)
-    m.merge_light(max_nodes, chains_first)
+    if reach is not None and not chains:
+        m.track_order(group_of, reach[1])
+    m.merge_light(max_nodes, chains)
     if m.alive > max_nodes:
         m.merge_adjacent(max_nodes)
     return m.relabel()[group_of]
@@ -458,6 +479,8 @@ class _Merger:
         self._pending: list[int] = []
         self.failed: dict[tuple[int, int], int] = {}  # (u, v) -> retry only below this many groups
         self._found = False
+        self.ops: list[int] | None = None  # track_order's bitsets
+        self.before: list[int] = []
         for g, c in enumerate(self.klass):
             if c >= 0:
                 self.comp.setdefault(self._cfind(c), set()).add(g)
@@ -518,6 +541,9 @@ class _Merger:
         pos[keep] = new
         self.w[keep] += self.w[gone]
         self.prefix[keep] = _common(self.prefix[keep], self.prefix[gone])
+        if self.ops is not None:
+            self.ops[keep] |= self.ops[gone]
+            self.before[keep] &= self.before[gone]
         self.alive -= 1
         self._merge_classes(keep, gone)
         return keep
@@ -600,17 +626,38 @@ class _Merger:
         return out
 
     # -- strategies
-    def merge_light(self, max_nodes: int, chains_first: bool = False) -> None:
-        """Repeatedly merge the lightest group into a neighbour (see module docstring). ``chains_first``: a
-        neighbour along a chain edge (the producer's only consumer, or the consumer's only producer) comes
+    def track_order(self, group_of: np.ndarray, anc: list[int]) -> None:
+        """Keep, per group, its ops and the ops that precede every one of them (from each op's ancestors
+        ``anc``), as bitsets, so that :meth:`merge_light` prefers merges that keep every op ordered."""
+        k = len(self.parent)
+        everything = (1 << len(anc)) - 1
+        self.ops, self.before = [0] * k, [everything] * k
+        for v, g in enumerate(group_of.tolist()):
+            self.ops[g] |= 1 << v
+            self.before[g] &= anc[v]
+
+    def _ordered(self, g: int, x: int) -> bool:
+        """Whether every op of group ``g`` precedes every op of its successor ``x``."""
+        return self.ops[g] & ~self.before[x] == 0
+
+    def merge_light(self, max_nodes: int, chains: bool = False) -> None:
+        """Repeatedly merge the lightest group into a neighbour (see module docstring). With
+        :meth:`track_order`, a neighbour whose every op the group's every op precedes or follows comes
         first, since joining it takes no concurrency away (linear clustering: Sarkar, "Partitioning and
-        Scheduling Parallel Programs for Multiprocessors", 1989)."""
+        Scheduling Parallel Programs for Multiprocessors", 1989). ``chains``: a neighbour along a chain
+        edge (the producer's only consumer, or the consumer's only producer) comes first instead, which
+        does not say so: an input's eight consumers each have it as their only producer, and merging two
+        of them into the input's group serialises them; but an HRNet's resampling convolutions then join
+        the sum they feed, and their outputs need not cross devices."""
         w, pos, ver = self.w, self.pos, self.version
         succ, pred = self.succ, self.pred
+        track = self.ops is not None
 
-        def apart(g: int, x: int) -> bool:  # not a chain edge between g and its neighbour x
-            return not (len(succ[g]) == 1 or len(pred[x]) == 1 if x in succ[g] else
-                        len(pred[g]) == 1 or len(succ[x]) == 1)
+        def apart(g: int, x: int) -> bool:  # merging g and its neighbour x would co-locate unordered ops
+            if chains:  # not a chain edge between g and x
+                return not (len(succ[g]) == 1 or len(pred[x]) == 1 if x in succ[g] else
+                            len(pred[g]) == 1 or len(succ[x]) == 1)
+            return track and not (self._ordered(g, x) if x in succ[g] else self._ordered(x, g))
         heap = [(w[g], pos[g], g, 0) for g in range(len(w))]
         heapq.heapify(heap)
         stuck: set[int] = set()
@@ -620,7 +667,7 @@ class _Merger:
                 continue
             pre, pg = self.pred[g], self.prefix[g]
             cands = sorted(self.pred[g] | self.succ[g],
-                           key=lambda x: (self._new_tie(g, x), chains_first and apart(g, x),
+                           key=lambda x: (self._new_tie(g, x), apart(g, x),
                                           -len(_common(pg, self.prefix[x])), w[x], x not in pre, pos[x]))
             keep = -1
             for x in cands:

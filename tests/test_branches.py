@@ -19,6 +19,7 @@ from envs.tasks import Task
 
 SIAMESE = "experiments/models/siamese_encoder.py:build:layers=2,width=64,vocab=500,seq=16,batch=8"
 HRNET = "experiments/models/hrnet_like.py:build:batch=2,image=64,width=8,stages=2"
+ENSEMBLE = "experiments/models/cnn_ensemble.py:build:members=8,width=8,classes=10,blocks=2,batch=16,image=16"
 CLIP = ("experiments/models/clip_like.py:build:layers=2,vision_width=128,text_width=64,image=64,vocab=1000,"
         "context=16,embed=64,batch=16")
 
@@ -125,7 +126,8 @@ def test_branch_start_runs_the_towers_side_by_side_on_the_two_quads():
     env.reset(seed=0)
     prep = env.prepared
     starts = branch_parallel_assignments(prep)
-    assert list(starts) == ["branches on 2 x a100-80g x4"]
+    # two towers: the two quads only (four pairs would leave two idle), the rest on all eight or on one quad
+    assert list(starts) == ["branches on 2 x a100-80g x4", "branches on 2 x a100-80g x4, the rest on the lightest"]
     rows = starts["branches on 2 x a100-80g x4"] // N_MODIFIERS
     opts = prep.options
     op_group = [opts.groups[rows[prep.grouping.group_of[v]]] for v in range(g.num_nodes)]
@@ -138,6 +140,58 @@ def test_branch_start_runs_the_towers_side_by_side_on_the_two_quads():
     time = {name: env._scoring.evaluate(prep, prep.plan(a, 1, "1f1b", 1, "test")).value
             for name, a in {**starts, **data_parallel_assignments(prep)}.items()}
     assert time["branches on 2 x a100-80g x4"] < 0.7 * time["data parallel a100-80g x8"]
+
+
+def _member_of(g: OpGraph) -> np.ndarray:
+    """Each op's ensemble member (-1: the input, the additions that join them, the mean)."""
+    return np.array([int(p.split(".")[1]) if p.startswith("members.") else -1 for p in g.module_paths])
+
+
+@pytest.mark.parametrize("max_nodes", [12, 20, 28, 40])
+def test_concurrent_groups_never_put_two_ensemble_members_together(max_nodes):
+    """The light merge after the concurrent split joins a group to a neighbour whose every op it precedes
+    or follows first: along chain edges alone (a producer's only consumer), the input's group took the
+    first layers of two members, and the chain of additions the last layers of two more."""
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec(ENSEMBLE)
+    member = _member_of(g)
+    coarse, split = coarsen(g, max_nodes, "concurrent")
+    assert split.method == "concurrent" and coarse.num_nodes <= max_nodes
+    for k in range(split.num_groups):
+        assert len(set(member[(split.group_of == k) & (member >= 0)].tolist())) <= 1
+    if max_nodes == 20:  # along chain edges first, the merge that followed the split put two members together
+        _, chains = coarsen(g, max_nodes, "concurrent-chains")
+        assert chains.method == "concurrent-chains"
+        assert any(len(set(member[(chains.group_of == k) & (member >= 0)].tolist())) > 1
+                   for k in range(chains.num_groups))
+
+
+def test_branch_starts_cut_the_devices_at_every_size_and_put_the_rest_on_the_lightest_part():
+    """Eight members on 8 GPUs: two quads, four pairs and eight single GPUs (one member each); the joining
+    ops either data parallel over all eight or with the least loaded part. Each member alone on a GPU
+    with the additions beside the lightest member is the fastest of them (host-bound: a data-parallel
+    group issues every operator on every host)."""
+    from envs.placement.task_setup import branch_parallel_assignments
+    from profilers.spec import graph_from_spec
+
+    g = graph_from_spec(ENSEMBLE)
+    env = PlacementEnv([Task(g, preset("dgx-a100-80g"))], mode="refine", max_nodes=40)
+    env.reset(seed=0)
+    prep, opts = env.prepared, env.prepared.options
+    starts = branch_parallel_assignments(prep)
+    names = [f"branches on {n} x a100-80g x{8 // n}" for n in (2, 4, 8)]
+    assert list(starts) == [x for n in names for x in (n, f"{n}, the rest on the lightest")]
+    member = _member_of(g)
+    singles = starts["branches on 8 x a100-80g x1, the rest on the lightest"] // N_MODIFIERS
+    device_of = {m: {opts.groups[singles[prep.grouping.group_of[v]]] for v in np.flatnonzero(member == m)}
+                 for m in range(8)}
+    assert sorted(d for m in range(8) for d in device_of[m]) == [(i,) for i in range(8)]  # one GPU each
+    rest = {opts.groups[singles[prep.grouping.group_of[v]]] for v in np.flatnonzero(member < 0)}
+    assert len(rest) == 1 and len(next(iter(rest))) == 1  # the joining ops on one GPU, not all eight
+    time = {name: env._scoring.evaluate(prep, prep.plan(a, 1, "1f1b", 1, "test")).value for name, a in starts.items()}
+    assert min(time, key=time.get) == "branches on 8 x a100-80g x1, the rest on the lightest"
+    assert time["branches on 8 x a100-80g x1, the rest on the lightest"] < 0.7 * time["branches on 2 x a100-80g x4"]
 
 
 def test_no_branch_start_without_branches_or_for_small_branches():
@@ -222,7 +276,8 @@ def test_concurrent_is_auto_where_no_child_is_kept_apart():
 
 def test_refine_env_takes_the_grouping_with_the_faster_start():
     """On a host-bound HRNet the groups that keep the branches apart start faster (branches on different
-    GPUs); the environment keeps whichever grouping's refine start is faster, auto's on a tie."""
+    GPUs); the environment keeps whichever grouping's refine start is faster (auto's, then concurrent's
+    on a tie), of auto's and the two merges after the concurrent split."""
     from envs.placement.task_setup import prepare_task, refine_start
 
     g, _ = _hrnet_branch_of()
@@ -230,12 +285,14 @@ def test_refine_env_takes_the_grouping_with_the_faster_start():
     env = PlacementEnv([task], mode="refine", max_nodes=48)
     env.reset(seed=0)
     starts = {}
-    for method in ("auto", "concurrent"):
+    for method in ("auto", "concurrent", "concurrent-chains"):
         prep = prepare_task(task, replace(env._settings, coarsen_method=method))
+        assert prep.grouping.method == method
         starts[method] = refine_start(prep, env._scoring, env.refine_init, env.microbatch_choices, "test").result.value
     chosen = env.prepared.grouping.method
     assert starts[chosen] == min(starts.values())
-    assert chosen == ("concurrent" if starts["concurrent"] < starts["auto"] else "auto")
+    assert chosen == min(starts, key=starts.get)  # the first of the fastest
+    assert starts["concurrent"] < starts["auto"] or starts["concurrent-chains"] < starts["auto"]
     assert env.prepared.start.result.value == starts[chosen]
     # place mode keeps auto's groups (the policy's training distribution)
     assert PlacementEnv([task], mode="place", max_nodes=48)._prepare(task).grouping.method == "auto"

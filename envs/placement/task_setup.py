@@ -779,56 +779,72 @@ def data_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
 
 
 def branch_parallel_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
-    """Concurrent branches data parallel on disjoint parts of each device kind's largest group: the
-    group's largest disjoint sub-groups of the table that the batch splits over are the parts; each
-    region of major branches (:func:`envs.branches.major_regions`, by :func:`envs.branches.step_load` with
-    the groups' times on the group's first device) has its branches packed onto them, balanced by load
-    (:func:`envs.branches.balanced_bins`); the rest stays data parallel over the whole group. A
-    device's host issues every operator it runs, so a data-parallel group as wide as the cluster can be
-    bound by its hosts while the compute would split: a CLIP-style image and text encoder (batch 128) on 8
-    A100s takes 58.3 ms data parallel and 32.7 ms with its towers side by side on the two quads. A group
-    the table does not let split the batch takes its part's (or the group's) first device alone."""
+    """Concurrent branches data parallel on disjoint parts of each device kind's largest group: at each
+    size of the table's groups inside it (:func:`_part_levels`), its disjoint sub-groups of that size are
+    the parts; each region of major branches (:func:`envs.branches.major_regions`, by
+    :func:`envs.branches.step_load` with the groups' times on the group's first device) has its branches
+    packed onto them, balanced by load (:func:`envs.branches.balanced_bins`); the rest (the ops that
+    feed and join the branches) data parallel over the whole group, or, as another start, over the part
+    whose branches carry the least load. A device's host issues every operator it runs, so a data-parallel
+    group as wide as the cluster can be bound by its hosts while the compute would split: a CLIP-style
+    image and text encoder (batch 128) on 8 A100s takes 58.3 ms data parallel and 32.7 ms with its towers
+    side by side on the two quads; an ensemble of eight small CNNs on two 8-A100 nodes 21.2 ms with four
+    members on each node (18.4 ms with the rest on the lightest node) and 6.5 ms with each member on a
+    pair of GPUs and the rest on the lightest pair. A group the table does not let
+    split the batch takes its part's (or the group's) first device alone."""
     look = prep.options.lookup()
     _, _, tau = single_device_times(prep)
     out = {}
     for kind, g in largest_group_of_each_kind(prep).items():
-        o = look.get((g, "batch_split", len(g)))
-        parts = _disjoint_parts(prep, g, look)
-        if o is None or len(parts) < 2:
+        if look.get((g, "batch_split", len(g))) is None:
             continue
         load = step_load(prep.graph, tau[:, g[0]])
         regions = major_regions(prep.graph, load)
         if not regions:
             continue
-        assign = _data_parallel_on(prep, look, g, np.arange(prep.graph.num_nodes))
-        for branches in regions:
-            for part, items in zip(parts, balanced_bins([float(load[b].sum()) for b in branches], len(parts))):
-                members = np.concatenate([branches[i] for i in items])
-                assign[members] = _data_parallel_on(prep, look, part, members)
-        out[f"branches on {len(parts)} x {kind} x{len(parts[0])}"] = assign
+        for parts in _part_levels(prep, g, look, max(len(branches) for branches in regions)):
+            packed, part_load = [], np.zeros(len(parts))  # (part, its branches' nodes); each part's load
+            for branches in regions:
+                bins = balanced_bins([float(load[b].sum()) for b in branches], len(parts))
+                for i, items in enumerate(bins):
+                    members = np.concatenate([branches[j] for j in items])
+                    packed.append((parts[i], members))
+                    part_load[i] += float(load[members].sum())
+            name = f"branches on {len(parts)} x {kind} x{len(parts[0])}"
+            lightest = parts[int(np.argmin(part_load))]
+            for rest, label in ((g, name), (lightest, f"{name}, the rest on the lightest")):
+                assign = _data_parallel_on(prep, look, rest, np.arange(prep.graph.num_nodes))
+                for part, members in packed:
+                    assign[members] = _data_parallel_on(prep, look, part, members)
+                out[label] = assign
     return out
 
 
-def _disjoint_parts(prep: PreparedTask, g: tuple[int, ...], look: dict) -> list[tuple[int, ...]]:
-    """The largest groups of the table strictly inside ``g`` that the batch splits over, disjoint, in
-    table order (first fit)."""
+def _part_levels(prep: PreparedTask, g: tuple[int, ...], look: dict, branches: int) -> list[list[tuple[int, ...]]]:
+    """The ways to cut ``g`` into disjoint parts for concurrent branches: for each size of the table's
+    groups strictly inside ``g`` that the batch splits over (and single devices), largest first, those
+    groups in table order (first fit) -- the largest size always (two or more parts), a smaller one
+    only while there are no more parts than ``branches`` (a part with no branch would idle)."""
     inner = [h for h in prep.options.groups if len(h) >= 2 and set(h) < set(g)
              and (h, "batch_split", len(h)) in look and prep.task.global_batch % len(h) == 0]
-    if not inner:
-        return []
-    size = max(len(h) for h in inner)
-    parts, used = [], set()
-    for h in inner:
-        if len(h) == size and not used & set(h):
-            parts.append(h)
-            used |= set(h)
-    return parts
+    inner += [(d,) for d in g if ((d,), "single", 1) in look]
+    levels = []
+    for size in sorted({len(h) for h in inner}, reverse=True):
+        parts, used = [], set()
+        for h in inner:
+            if len(h) == size and not used & set(h):
+                parts.append(h)
+                used |= set(h)
+        if len(parts) >= 2 and (not levels or len(parts) <= branches):
+            levels.append(parts)
+    return levels
 
 
 def _data_parallel_on(prep: PreparedTask, look: dict, g: tuple[int, ...], nodes: np.ndarray) -> np.ndarray:
     """The actions putting ``nodes`` data parallel over ``g`` (a node the table does not let split the
-    batch there: on ``g``'s first device)."""
-    o, single = look[(g, "batch_split", len(g))], look[((g[0],), "single", 1)]
+    batch there, or a ``g`` of one device: on ``g``'s first device)."""
+    single = look[((g[0],), "single", 1)]
+    o = look[(g, "batch_split", len(g))] if len(g) > 1 else single
     return np.where(prep.allowed[nodes, o], o, single) * N_MODIFIERS
 
 
