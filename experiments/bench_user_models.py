@@ -11,7 +11,8 @@ where the heuristic fits counts 0) -- target (a)'s measurement of ``bench_agent.
 DLRM with ``EmbeddingBag``, a gated-convolution language model, a conv VAE, a CRNN, an MAE, a TCN, an FPN
 detector, an EfficientNet, ``nn.Transformer`` seq2seq, Hugging Face GPT-2, Mixtral, Llama and BERT,
 MLP-Mixer, WaveNet, Perceiver, a top-2 mixture of experts, a DiT, a Swin-style windowed ViT, PointNet, a
-CLIP-style image-text model, a Siamese bi-encoder, an HRNet-style multi-resolution network),
+CLIP-style image-text model, a Siamese bi-encoder, an HRNet-style multi-resolution network, an
+ensemble of eight CNNs),
 without (a)'s untrained-network ablation. A file that
 needs an optional package that is not installed (``transformers``: the ``[hf]`` extra) is listed as
 skipped. Writes ``user_models.json``, ``.md`` and a heat map ``.png`` into ``--out`` atomically.
