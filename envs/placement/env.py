@@ -310,7 +310,7 @@ class PlacementEnv(gym.Env):
                 start = (p.runner_up or start) if given == RUNNER_UP else start
             else:
                 start = self._given_start(given)
-            self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, start.vs
+            self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, 0
             for v in range(n):
                 self._put(v, int(start.assign[v]))
             self._reward_now = start.reward
@@ -587,18 +587,9 @@ class PlacementEnv(gym.Env):
 
     # ------------------------------------------------------------------ plans and outputs
     def _plan_for(self, assign: np.ndarray, globals_: tuple[int, int, int]) -> Plan:
-        """The plan of ``assign`` with the global choices; interleaved only while the placements are chunked
-        as interleaving needs (an episode from an interleaved start moves groups before it decides the
-        virtual stages again at its end)."""
         mb, sched, vs = globals_
-        plan = self._p.plan(assign, int(self._p.mb_counts[max(mb, 0)]), SCHEDULES[sched if sched >= 0 else 1],
+        return self._p.plan(assign, int(self._p.mb_counts[max(mb, 0)]), SCHEDULES[sched if sched >= 0 else 1],
                             VIRTUAL_STAGE_CHOICES[max(vs, 0)], self._placer)
-        if plan.virtual_stages > 1:
-            try:
-                plan._validate_virtual_stages(self._p.task.graph)
-            except PlanError:
-                plan = plan.copy(virtual_stages=1)
-        return plan
 
     def _current_plan(self) -> Plan:
         return self._plan_for(self._assign, self._globals())
