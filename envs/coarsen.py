@@ -199,8 +199,7 @@ def coarsen(graph: OpGraph, max_nodes: int, method: str = "auto") -> tuple[OpGra
                         group_of, level = _light(graph, finer, max_nodes), level + 1
                         info.pop("concurrent_children", None)  # light-merged as auto does: no split
                         if split is not None and split["merge"] == "ordered":  # unordered ops apart first
-                            ordered = _light(graph, finer, max_nodes,
-                                             reach=(reachable(graph), reachable(graph, downstream=False)))
+                            ordered = _light(graph, finer, max_nodes, anc=reachable(graph, downstream=False))
                             if not np.array_equal(ordered, group_of):
                                 group_of, info["ordered_merge"] = ordered, True
     if method.startswith("concurrent") and not {"concurrent_children", "ordered_merge"} & info.keys():
@@ -275,7 +274,7 @@ def _split_concurrent_children(graph: OpGraph, levels: list[np.ndarray], d: int,
     split = _label_runs(graph, _combine(*labels, *apart), connected=True)
     if split.max() + 1 <= max_nodes:
         return split
-    return _light(graph, split, max_nodes, reach=reach, chains=info["merge"] == "chains")
+    return _light(graph, split, max_nodes, anc=reach[1], chains=info["merge"] == "chains")
 
 
 def _major_branches(graph: OpGraph) -> np.ndarray:
@@ -406,12 +405,12 @@ def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
     return a[:k]
 
 
-def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int,
-           reach: tuple[list[int], list[int]] | None = None, chains: bool = False) -> np.ndarray:
+def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int, anc: list[int] | None = None,
+           chains: bool = False) -> np.ndarray:
     """Light-merge an acyclic grouping (numbered in a topological order of its quotient) to max_nodes;
-    with ``reach`` (each op's descendants and ancestors as bitsets, :func:`envs.branches.reachable`), a
-    group joins a neighbour whose every op it precedes or follows first, or with ``chains`` a neighbour
-    along a chain edge first (:meth:`_Merger.merge_light`)."""
+    with ``anc`` (each op's ancestors as a bitset, :func:`envs.branches.reachable`), a group joins a
+    neighbour whose every op it precedes or follows first, or with ``chains`` a neighbour along a chain
+    edge first (:meth:`_Merger.merge_light`)."""
     k = int(group_of.max()) + 1
     gs, gd = group_of[graph.edge_src], group_of[graph.edge_dst]
     cross = gs != gd
@@ -432,8 +431,8 @@ def _light(graph: OpGraph, group_of: np.ndarray, max_nodes: int,
             elif klass[g] != c:
                 extra.append((int(klass[g]), c))  # one group holding two classes ties them together
     m = _Merger(k, pairs // k, pairs % k, weight, prefix, klass, extra)
-    if reach is not None and not chains:
-        m.track_order(group_of, reach[1])
+    if anc is not None and not chains:
+        m.track_order(group_of, anc)
     m.merge_light(max_nodes, chains)
     if m.alive > max_nodes:
         m.merge_adjacent(max_nodes)
