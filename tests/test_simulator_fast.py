@@ -57,6 +57,53 @@ def test_compiled_builder_equals_reference_megatron(tp, pp, dp, schedule, rc):
     _same(simulate_reference(g, topo, plan), simulate(g, topo, plan))
 
 
+@pytest.mark.parametrize("topo_name", ["dgx-a100-80g", "pcie-4gpu", "a100-80g-cluster:nodes=2"])
+@pytest.mark.parametrize("kw", [dict(pp=2, virtual_stages=2), dict(pp=4, virtual_stages=2), dict(pp=2, virtual_stages=2, dp=2, zero=1),
+                                dict(pp=2, virtual_stages=4, tp=2, sequence_parallel=True),
+                                dict(pp=2, virtual_stages=2, dp=2, zero=3, recompute="selective")])
+def test_compiled_builder_equals_reference_interleaved(topo_name, kw):
+    topo = preset(topo_name)
+    g = transformer_graph(layers=8, hidden=512, heads=8, seq=128, vocab=1000, batch=32)
+    plan = megatron_plan(g, topo, microbatch_size=2, global_batch=32, **kw)
+    assert plan.virtual_stages > 1
+    sim = CompiledSimulator(g, topo)
+    fast = sim.evaluate(plan, timeline=True)
+    _same(simulate_reference(g, topo, plan), fast)
+    assert fast.fast_path == "arrays"
+    # delta keeps the interleaving: recompute one node of the second chunk
+    v = int(np.flatnonzero(plan.chunks(g)[0] == 1)[0])
+    d = sim.delta(fast.plan_arrays, v, plan.groups[v], plan.layouts[v], int(plan.dp[v]), not plan.recompute[v])
+    rc = plan.recompute.copy()
+    rc[v] = not rc[v]
+    _same(simulate_reference(g, topo, plan.copy(recompute=rc), timeline=False), d)
+    assert sim.plan_of(d.plan_arrays, plan).virtual_stages == plan.virtual_stages
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(simulation_cases(), st.integers(0, 2**31 - 1))
+def test_compiled_builder_equals_reference_on_random_interleaved_pipelines(case, seed):
+    if case[0].num_nodes < 4:
+        return
+    """Any graph cut into p x v contiguous chunks along its topological order, chunk c on the c mod p-th
+    of p device groups (single devices, or pairs split by batch)."""
+    g, topo, _ = case
+    rng = np.random.default_rng(seed)
+    pairs = bool(rng.random() < 0.5) and topo.num_devices >= 4
+    p = int(rng.integers(2, min(3, g.num_nodes // 2, topo.num_devices // (1 + pairs)) + 1))
+    v = int(rng.integers(2, min(3, g.num_nodes // p) + 1))
+    cuts = np.sort(rng.choice(np.arange(1, g.num_nodes), p * v - 1, replace=False))
+    chunk = np.empty(g.num_nodes, dtype=np.int64)
+    chunk[g.topological_order()] = np.searchsorted(cuts, np.arange(g.num_nodes), side="right")
+    devs = rng.permutation(topo.num_devices)
+    rank_group = [tuple(sorted(int(d) for d in devs[2 * r:2 * r + 2])) if pairs else (int(devs[r]),) for r in range(p)]
+    groups = [rank_group[c % p] for c in chunk]
+    layouts = ["batch_split" if pairs else "single"] * g.num_nodes
+    plan = Plan(groups=groups, layouts=layouts, microbatches=p * int(rng.choice([1, 2])), virtual_stages=v,
+                recompute=rng.random(g.num_nodes) < 0.3, global_batch=24)
+    plan.validate(g, topo)
+    _same(simulate_reference(g, topo, plan), CompiledSimulator(g, topo).evaluate(plan, timeline=True))
+
+
 def _random_move(rng, g, topo, plan, v):
     nd = topo.num_devices
     caps = int(g.layout_caps[v])

@@ -100,7 +100,7 @@ class LazyLabels(Sequence):
 class PlanArrays:
     """A plan in array form (what :meth:`CompiledSimulator.evaluate` computes from a Plan and reuses in delta)."""
 
-    __slots__ = ("gid", "lay", "dp", "rc", "zero", "m", "schedule", "scale", "objective", "dtype", "state_bytes",
+    __slots__ = ("gid", "lay", "dp", "rc", "zero", "m", "vs", "schedule", "scale", "objective", "dtype", "state_bytes",
                  "fwd", "bwd", "host_f", "host_b", "plan", "like")
 
     def copy(self) -> PlanArrays:
@@ -143,11 +143,9 @@ class CompiledSimulator:
         self._g_arrays = None
         self._specs: dict[str, tuple] = {}
         # communication templates (signature -> id) and their CSR arrays
-        self._sig: dict[bytes, int] = {}
-        self._sig_h: dict[int, int] = {}  # row hash -> template id (checked against _sig_rows)
-        self._sig_rows: np.ndarray | None = None
-        self._hk: np.ndarray | None = None  # sorted known hashes and their template ids
-        self._hv: np.ndarray | None = None
+        # (one index per kind of point-to-point transfer: blocking its hosts, or posted asynchronously as
+        # an interleaved pipeline's are; both index the one list of templates)
+        self._index = {True: _TemplateIndex(), False: _TemplateIndex()}
         self._tpl: list[Crossing] = []
         self._tpl_arrays = None
         self.comm = comm if comm is not None else CommTimes(topology)  # may be shared (the stage model does)
@@ -212,6 +210,7 @@ class CompiledSimulator:
         latency = objective == "latency"
         pa.objective = objective
         pa.m = 1 if latency else int(plan.microbatches)
+        pa.vs = 1 if latency else int(plan.virtual_stages)
         pa.schedule = plan.schedule
         pa.scale = (1.0 / graph.batch_size) if latency else plan.microbatch_size(graph) / graph.batch_size
         pa.dtype = plan.dtype
@@ -239,9 +238,9 @@ class CompiledSimulator:
         """The communication template ``sig`` (an :class:`EdgeGroups` signature)."""
         return self._tpl[sig]
 
-    def _new_template(self, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale, replay) -> int:
+    def _new_template(self, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale, replay, blocking) -> int:
         self._tpl.append(layout_crossing(self.comm, gu, dpu, have, gv, dpv, req, colw, S, et0, latency, scale,
-                                         replay))
+                                         replay, blocking_transfers=blocking))
         self._tpl_arrays = None
         return len(self._tpl) - 1
 
@@ -314,9 +313,8 @@ class CompiledSimulator:
                  tail: bool = True) -> StepReport:
         """StepReport of ``plan`` (objective ``step_time`` or ``latency``); the plan is not validated.
         (``tail=False`` leaves out the gradient all-reduce and optimizer: the stage model's use.)"""
-        if (plan.virtual_stages > 1 and objective != "latency") or plan.ep.max(initial=1) > 1:
-            # interleaved 1F1B: its priorities are not affine in the microbatch, which the kernel's
-            # are; expert parallelism: its all-to-alls join many producers to many consumers, which the
+        if plan.ep.max(initial=1) > 1:
+            # expert parallelism: its all-to-alls join many producers to many consumers, which the
             # kernel's edge groups do not; the reference builder is the specification and is used as is
             from envs.sim.reference import simulate_reference
 
@@ -331,8 +329,7 @@ class CompiledSimulator:
         group size for batch_split, else 1): the same result as a full evaluation of the modified
         plan. ``plan`` may be the PlanArrays of a previous call (``report.plan_arrays``) or None for
         the last plan evaluated; a Plan is converted (and then cached as the last one)."""
-        if plan is not None and not isinstance(plan, PlanArrays) and (plan.virtual_stages > 1
-                                                                      or plan.ep.max(initial=1) > 1):
+        if plan is not None and not isinstance(plan, PlanArrays) and plan.ep.max(initial=1) > 1:
             moved = plan.copy()
             moved.groups[node] = tuple(int(d) for d in group)
             moved.layouts[node] = layout
@@ -365,7 +362,8 @@ class CompiledSimulator:
         """A Plan with the decisions of ``pa`` and the global settings of ``like``."""
         inv = {v: k for k, v in LAYOUT_CODE.items()}
         return like.copy(groups=[self._groups[i] for i in pa.gid.tolist()], layouts=[inv[c] for c in pa.lay.tolist()],
-                         dp=pa.dp.copy(), recompute=pa.rc.copy(), zero=pa.zero.copy())
+                         dp=pa.dp.copy(), recompute=pa.rc.copy(), zero=pa.zero.copy(),
+                         virtual_stages=like.virtual_stages if pa.objective == "latency" else pa.vs)
 
     def stages(self, pa: PlanArrays) -> tuple[np.ndarray, int]:
         """Plan.stages in arrays: distinct groups in order of first use in topological order."""
@@ -390,40 +388,74 @@ class CompiledSimulator:
             srow, sinv = np.unique(sig_rows, axis=0, return_inverse=True)
             sinv, sh = sinv.reshape(-1), None
         sig_of_row = None
-        if sh is not None and self._hk is not None and self._sig_rows.shape[1] == srow.shape[1]:
+        ix = self._index[pa.vs == 1]
+        if sh is not None and ix.hk is not None and ix.sig_rows.shape[1] == srow.shape[1]:
             # fast: find the distinct rows' hashes among the known templates', then check the rows
-            idx = np.searchsorted(self._hk, sh)
-            idx[idx >= len(self._hk)] = 0
-            if (self._hk[idx] == sh).all():
-                sids = self._hv[idx]
-                if np.array_equal(self._sig_rows[sids], srow):
+            idx = np.searchsorted(ix.hk, sh)
+            idx[idx >= len(ix.hk)] = 0
+            if (ix.hk[idx] == sh).all():
+                sids = ix.hv[idx]
+                if np.array_equal(ix.sig_rows[sids], srow):
                     sig_of_row = sids
         if sig_of_row is None:
-            sig_of_row = self._lookup_templates(srow, sh, pa, latency)
+            sig_of_row = self._lookup_templates(ix, srow, sh, pa, latency)
         return EdgeGroups(ku, sig_of_row[sinv], S, cons_ptr, cons_idx, e0)
 
-    def _priorities(self, gpipe: bool, m: int):
-        """Priority of F / B of each node at microbatch 0, and the step per microbatch (the reference's
-        ``prio``: GPipe all forwards then all backwards; 1F1B microbatch-major, backward first)."""
+    def _priorities(self, pa: PlanArrays, stage: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """Priority of F / B of each node and microbatch, (n, m) each (the reference's ``prio``: GPipe all
+        forwards then all backwards; 1F1B microbatch-major, backward first; interleaved 1F1B by the
+        pipeline rank's program order, :meth:`_program_order`). Read-only: cached per schedule."""
+        gpipe, m = pa.schedule == "gpipe", pa.m
+        N = float(self.n + 1)
+        tpos = self.topo_pos.astype(np.float64)
+        if pa.vs > 1:
+            f_order, b_order = self._program_order(pa, stage, p)
+            return f_order * N + tpos[:, None], b_order * N + (N - 1 - tpos)[:, None]
         key = (gpipe, m)
         hit = self._prio_cache.get(key)
         if hit is None:
-            N = float(self.n + 1)
-            tpos = self.topo_pos.astype(np.float64)
             if gpipe:
-                hit = (tpos.copy(), m * N + (N - 1 - tpos), N)
+                fb, bb, slope = tpos.copy(), m * N + (N - 1 - tpos), N
             else:
-                hit = (N + tpos, N - 1 - tpos, 2 * N)
+                fb, bb, slope = N + tpos, N - 1 - tpos, 2 * N
+            ks = np.arange(m, dtype=np.int64) * slope
+            hit = (fb[:, None] + ks[None, :], bb[:, None] + ks[None, :])
             self._prio_cache[key] = hit
         return hit
 
-    def _lookup_templates(self, srow, sh, pa, latency) -> np.ndarray:
-        """Template id of each distinct signature row, building the templates not seen before."""
+    def _chunks(self, pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
+        """Each node's model chunk (Plan.chunks: a new chunk wherever the device group changes along the
+        topological order) and each chunk's first node."""
+        g = pa.gid[self.topo]
+        starts = np.ones(self.n, dtype=bool)
+        starts[1:] = g[1:] != g[:-1]
+        chunk = np.empty(self.n, dtype=np.int64)
+        chunk[self.topo] = np.cumsum(starts) - 1
+        return chunk, self.topo[starts]
+
+    def _program_order(self, pa: PlanArrays, stage: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """Place of each node's forward / backward of each microbatch in its pipeline rank's program under
+        interleaved 1F1B, (n, m) each (the reference's ``_Step.order``, Megatron-LM's program order)."""
+        m, V = pa.m, pa.vs
+        total = m * V
+        c = (self._chunks(pa)[0] // p)[:, None]
+        W = np.minimum((p - stage - 1) * 2 + (V - 1) * p, total)[:, None]
+        k = np.arange(m, dtype=np.int64)[None, :]
+        base = (k // p) * p * V + k % p
+        jf = base + c * p
+        jb = base + (V - 1 - c) * p
+        f_order = np.where(jf < W, jf, 2 * jf - W)
+        b_order = np.where(jb < total - W, W + 2 * jb + 1, total + jb)
+        return f_order, b_order
+
+    def _lookup_templates(self, ix: _TemplateIndex, srow, sh, pa, latency) -> np.ndarray:
+        """Template id of each distinct signature row in index ``ix``, building the templates not seen
+        before."""
         et = self.graph.edge_time
         buf = srow.tobytes()
         rb = srow.shape[1] * 8
         sig_of_row = np.empty(len(srow), dtype=np.int64)
-        table = self._sig
+        table = ix.sig
         for i in range(len(srow)):
             kb = buf[i * rb:(i + 1) * rb]
             sid = table.get(kb)
@@ -432,44 +464,44 @@ class CompiledSimulator:
                 etv = float(r[8:9].view(np.float64)[0]) if et is not None else None
                 sid = self._new_template(self._groups[int(r[0])], int(r[1]), int(r[2]), self._groups[int(r[3])],
                                      int(r[4]), int(r[5]), bool(r[6]), float(r[7:8].view(np.float64)[0]), etv,
-                                     latency, pa.scale, bool(int(r[-1]) & 2))
+                                     latency, pa.scale, bool(int(r[-1]) & 2), pa.vs == 1)
                 table[kb] = sid
             sig_of_row[i] = sid
         # the hash index: one row per template id
         width = srow.shape[1]
-        if self._sig_rows is None or self._sig_rows.shape[1] != width:
-            self._sig_rows = np.zeros((0, width), dtype=np.int64)
-            self._sig_h = {}
-            self._hk = self._hv = None
+        if ix.sig_rows is None or ix.sig_rows.shape[1] != width:
+            ix.sig_rows = np.zeros((0, width), dtype=np.int64)
+            ix.sig_h = {}
+            ix.hk = ix.hv = None
         nt = len(self._tpl)
-        if self._sig_rows.shape[0] < nt:
-            grow = np.zeros((nt - self._sig_rows.shape[0], width), dtype=np.int64)
+        if ix.sig_rows.shape[0] < nt:
+            grow = np.zeros((nt - ix.sig_rows.shape[0], width), dtype=np.int64)
             grow[:, 0] = -1  # not a valid group id: never equal to a real row
-            self._sig_rows = np.concatenate([self._sig_rows, grow])
-        self._sig_rows[sig_of_row] = srow
+            ix.sig_rows = np.concatenate([ix.sig_rows, grow])
+        ix.sig_rows[sig_of_row] = srow
         if sh is not None:
             for x, sid in zip(sh.tolist(), sig_of_row.tolist()):
-                self._sig_h[x] = sid
-            keys = np.fromiter(self._sig_h.keys(), dtype=np.uint64, count=len(self._sig_h))
-            vals = np.fromiter(self._sig_h.values(), dtype=np.int64, count=len(self._sig_h))
+                ix.sig_h[x] = sid
+            keys = np.fromiter(ix.sig_h.keys(), dtype=np.uint64, count=len(ix.sig_h))
+            vals = np.fromiter(ix.sig_h.values(), dtype=np.int64, count=len(ix.sig_h))
             o = np.argsort(keys)
-            self._hk, self._hv = keys[o], vals[o]
+            ix.hk, ix.hv = keys[o], vals[o]
         return sig_of_row
 
     def _run(self, pa: PlanArrays, want_timeline: bool, tail: bool = True) -> StepReport:
         """The step's task graph (the reference builder's steps, in its task order) and its schedule."""
         latency = pa.objective == "latency"
         stage, p = self.stages(pa)
-        fb, bb, slope = self._priorities(pa.schedule == "gpipe", pa.m)
+        pf, pb = self._priorities(pa, stage, p)
         groups = self.edge_groups(pa, latency)
-        step = self._compute_and_comm_tasks(pa, groups, fb, bb, slope)
+        step = self._compute_and_comm_tasks(pa, groups, pf, pb)
         extra = _ExtraTasks(len(step[0]))
         if not latency and pa.m > 1:
             self._pipeline_constraints(pa, stage, p, extra)
         expand = None
         if not latency and tail:
-            self._zero3_gathers(pa, fb, bb, slope, extra)
-            grad_syncs, gathers = self._gradient_buckets(pa, bb, slope, extra)
+            self._zero3_gathers(pa, pf, pb, extra)
+            grad_syncs, gathers = self._gradient_buckets(pa, pb, extra)
             expand, opt_ids = self._optimizer_updates(pa, grad_syncs, extra)
             self._parameter_gathers(gathers, opt_ids, extra)
         *step, host, sync = step
@@ -481,28 +513,31 @@ class CompiledSimulator:
             host = None
         return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline, host)
 
-    def _compute_and_comm_tasks(self, pa: PlanArrays, groups: EdgeGroups, fb, bb, slope):
+    def _compute_and_comm_tasks(self, pa: PlanArrays, groups: EdgeGroups, pf, pb):
         """The compute tasks and every edge group's communication, with their dependencies (the kernel)."""
         latency = pa.objective == "latency"
         K = len(groups.producer)
         if K:  # a group's forward tasks run at its earliest consumer's priority, backward at its producer's
-            key_prf = np.minimum.reduceat(fb[groups.consumers], groups.cons_ptr[:-1])
+            key_prf = np.minimum.reduceat(pf[groups.consumers], groups.cons_ptr[:-1], axis=0)
         else:
-            key_prf = np.zeros(0)
-        key_prb = bb[groups.producer] if not latency else np.zeros(K)
+            key_prf = np.zeros((0, pa.m))
+        key_prb = pb[groups.producer] if not latency else np.zeros((K, pa.m))
         g_ptr, g_dev, g_size = self._group_arrays()
         ta = self._template_arrays()
         return assemble_tasks(
-            self.n, pa.m, latency, slope, fb, bb, pa.fwd, pa.bwd, pa.host_f, pa.host_b, pa.gid, g_ptr, g_dev,
+            self.n, pa.m, latency, pf, pb, pa.fwd, pa.bwd, pa.host_f, pa.host_b, pa.gid, g_ptr, g_dev,
             groups.producer, groups.signature, key_prf, key_prb, groups.cons_ptr, groups.consumers,
             ta["s_tptr"], ta["t_dur"], ta["t_bwd"], ta["t_kind"], ta["t_host"], ta["t_sync"], ta["t_rptr"],
             ta["t_ridx"], ta["t_dptr"], ta["t_didx"], ta["f_rng"], ta["b_rng"], ta["st_ptr"], ta["st_idx"])
 
     def _pipeline_constraints(self, pa: PlanArrays, stage: np.ndarray, p: int, extra: _ExtraTasks) -> None:
-        """GPipe: no backward before the last forward; 1F1B: F(v, k) after B(v, k - (p - stage))."""
+        """GPipe: no backward before the last forward; 1F1B: F(v, k) after B(v, k - (p - stage));
+        interleaved 1F1B: :meth:`_interleaved_constraints`."""
         n, m, c = self.n, pa.m, 2
         F0 = np.arange(n, dtype=np.int64) * m * c
-        if pa.schedule == "gpipe":
+        if pa.vs > 1:
+            self._interleaved_constraints(pa, stage, p, extra)
+        elif pa.schedule == "gpipe":
             last_f = F0 + (m - 1) * c
             ks = np.arange(m, dtype=np.int64)
             extra.deps(np.repeat(last_f, m), (F0[:, None] + ks[None, :] * c + 1).reshape(-1))
@@ -516,11 +551,29 @@ class CompiledSimulator:
                 kk = w[vv] + off
                 extra.deps(F0[vv] + (kk - w[vv]) * c + 1, F0[vv] + kk * c)
 
+    def _interleaved_constraints(self, pa: PlanArrays, stage: np.ndarray, p: int, extra: _ExtraTasks) -> None:
+        """The reference's ``_interleaved_constraints``: on pipeline rank r the forward of its j-th
+        chunk-microbatch after the backward of its (j - w)-th, w = (p - r - 1) x 2 + (v - 1) x p + 1; a
+        backward of the node's own chunk is its own, of another chunk that chunk's first node's."""
+        m, V = pa.m, pa.vs
+        chunk, first_of = self._chunks(pa)
+        v = np.repeat(np.arange(self.n, dtype=np.int64), m)
+        k = np.tile(np.arange(m, dtype=np.int64), self.n)
+        r = stage[v]
+        j = (k // p) * p * V + (chunk[v] // p) * p + k % p - ((p - r - 1) * 2 + (V - 1) * p + 1)
+        keep = j >= 0
+        v, k, r, j = v[keep], k[keep], r[keep], j[keep]
+        blk, rest = j // (p * V), j % (p * V)
+        kk = blk * p + rest % p
+        c = (V - 1 - rest // p) * p + r
+        u = np.where(c == chunk[v], v, first_of[np.minimum(c, len(first_of) - 1)])
+        extra.deps((u * m + kk) * 2 + 1, (v * m + k) * 2)
+
     def _last_backward(self, m: int) -> np.ndarray:
         """Task id of each node's backward of the last microbatch."""
         return np.arange(self.n, dtype=np.int64) * m * 2 + (m - 1) * 2 + 1
 
-    def _zero3_gathers(self, pa: PlanArrays, fb, bb, slope, extra: _ExtraTasks) -> None:
+    def _zero3_gathers(self, pa: PlanArrays, pf, pb, extra: _ExtraTasks) -> None:
         """ZeRO-3 weight all-gathers before every forward and backward, prefetched one node ahead
         (the reference's ``_zero3_gathers``, in its task order)."""
         graph, m, nd = self.graph, pa.m, self.nd
@@ -545,13 +598,13 @@ class CompiledSimulator:
             name = graph.names[v]
             for k in range(m):
                 f_id, b_id = v * m * 2 + k * 2, v * m * 2 + k * 2 + 1
-                af = extra.add(t, fb[v] + k * slope - 0.5, KIND_COMM, res, devs, f"allgather params {name} mb{k}", host)
+                af = extra.add(t, pf[v, k] - 0.5, KIND_COMM, res, devs, f"allgather params {name} mb{k}", host)
                 src.append(af)
                 dst.append(f_id)
                 if i >= 2:
                     src.append(nodes[i - 2] * m * 2 + k * 2)
                     dst.append(af)
-                ab = extra.add(t, bb[v] + k * slope - 0.5, KIND_COMM, res, devs,
+                ab = extra.add(t, pb[v, k] - 0.5, KIND_COMM, res, devs,
                                f"allgather params grad {name} mb{k}", host)
                 src += [f_id, ab]
                 dst += [ab, b_id]
@@ -560,7 +613,7 @@ class CompiledSimulator:
                     dst.append(ab)
         extra.deps(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
 
-    def _gradient_buckets(self, pa: PlanArrays, bb, slope, extra: _ExtraTasks):
+    def _gradient_buckets(self, pa: PlanArrays, pb, extra: _ExtraTasks):
         """Gradient synchronisation, bucketed in backward order, per (group, dp, split, ZeRO stage,
         sequence split) (the reference's ``_gradient_buckets``). Returns (bucket task, device) pairs for
         the optimizer and the ZeRO-1/2 buckets whose weights are gathered after it."""
@@ -607,7 +660,7 @@ class CompiledSimulator:
         tid_last = np.empty(nb, dtype=np.int64)  # the bucket's task after the last microbatch
         tid_last[border] = first_id + nk - 1
         comm, sizes = self.comm, bsize[border].tolist()
-        firsts, counts, bbv = first_node[border].tolist(), nmem[border].tolist(), bb[v0].tolist()
+        firsts, counts, bbv = first_node[border].tolist(), nmem[border].tolist(), pb[v0].tolist()
         dur, pri, res, devices, labels, hosts = [], [], [], [], [], []
         gathers = []
         for j, (g, dp, zero, sq, sc, pk) in enumerate(zip(gid0.tolist(), dp0.tolist(), zero0.tolist(), sq0.tolist(),
@@ -619,7 +672,7 @@ class CompiledSimulator:
             ks = range(m) if pk else (m - 1,)
             for k in ks:
                 dur.append(t)
-                pri.append(bbv[j] + k * slope + 0.5)
+                pri.append(bbv[j][k] + 0.5)
                 res.append(rs)
                 devices.append(devs)
                 labels.append((label, firsts[j], counts[j]))
@@ -747,7 +800,7 @@ class CompiledSimulator:
         """Vectorised :func:`envs.sim.cost.memory` (recomputation, ZeRO and sequence parallelism fall back
         to :func:`envs.sim.cost.memory` itself)."""
         objective = "latency" if pa.objective == "latency" else "step_time"
-        if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any():
+        if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any() or (pa.vs > 1 and objective != "latency"):
             plan = pa.plan if pa.plan is not None else self.plan_of(pa, pa.like)
             return memory(self.graph, self.topology, plan, stage, p, objective)
         graph = self.graph
@@ -814,6 +867,17 @@ def compiled_simulator(graph: OpGraph, topology: Topology) -> CompiledSimulator:
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return sim
+
+
+class _TemplateIndex:
+    """Signature rows -> template ids: the exact table (row bytes) and the hash index of the fast path."""
+
+    def __init__(self):
+        self.sig: dict[bytes, int] = {}
+        self.sig_h: dict[int, int] = {}  # row hash -> template id (checked against sig_rows)
+        self.sig_rows: np.ndarray | None = None
+        self.hk: np.ndarray | None = None  # sorted known hashes and their template ids
+        self.hv: np.ndarray | None = None
 
 
 class _ExtraTasks:

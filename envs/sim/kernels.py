@@ -20,7 +20,7 @@ _column_weighted = njit(cache=True)(cost.column_weighted)
 
 # ---------------------------------------------------------------------- task graph
 @njit(cache=True)
-def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
+def assemble_tasks(n, m, latency, pf, pb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
                    key_u, key_sig, key_prf, key_prb, cons_ptr, cons_idx,
                    s_tptr, t_dur, t_bwd, t_kind, t_host, t_sync, t_rptr, t_ridx, t_dptr, t_didx,
                    s_fptr, s_bptr, st_ptr, st_idx):
@@ -28,7 +28,8 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr
     edge group (group-major, microbatch, template order) with their dependencies, as flat arrays.
 
     Edge group q: producer ``key_u[q]``, template ``key_sig[q]``, consumers ``cons_idx[cons_ptr[q]:
-    cons_ptr[q + 1]]``. Template s: tasks ``s_tptr[s]:s_tptr[s + 1]`` (duration, backward flag, kind,
+    cons_ptr[q + 1]]``, its forward tasks of microbatch k at priority ``key_prf[q, k]``, its backward ones at
+    ``key_prb[q, k]`` (the compute tasks' at ``pf[v, k]`` / ``pb[v, k]``). Template s: tasks ``s_tptr[s]:s_tptr[s + 1]`` (duration, backward flag, kind,
     resources and devices as CSR), forward steps ``s_fptr[2s]:s_fptr[2s + 1]`` and backward steps
     ``s_bptr[2s]:s_bptr[2s + 1]``, step z holding template tasks ``st_idx[st_ptr[z]:st_ptr[z + 1]]``. Each
     task also gets its host cost (``hf`` / ``hb`` per node, ``t_host`` per template task) and whether it
@@ -50,7 +51,7 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr
     dst = np.empty(ndep, dtype=np.int64)
     res_ptr[0] = 0
     dev_ptr[0] = 0
-    t, rp, dq, e = _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
+    t, rp, dq, e = _emit_compute_tasks(n, m, c, pf, pb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
                                        dur, pri, host, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst)
     # the ends of a chain: F(u) or B(u), and the consumers' F or B
     width = 1
@@ -65,7 +66,7 @@ def assemble_tasks(n, m, latency, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr
         c0, c1 = cons_ptr[q], cons_ptr[q + 1]
         for k in range(m):
             base = key_off[q] + k * ntpl
-            t, rp, dq = _emit_template_tasks(t0, ntpl, key_prf[q] + k * slope, key_prb[q] + k * slope, t_dur, t_bwd,
+            t, rp, dq = _emit_template_tasks(t0, ntpl, key_prf[q, k], key_prb[q, k], t_dur, t_bwd,
                                              t_kind, t_host, t_sync, t_rptr, t_ridx, t_dptr, t_didx, t, rp, dq,
                                              dur, pri, host, sync, kind, res_ptr, res_idx, dev_ptr, dev_idx)
             # forward: F(u) -> steps -> F(consumers)
@@ -133,7 +134,7 @@ def _count_tasks(n, m, latency, node_gid, g_ptr, key_sig, cons_ptr, s_tptr, t_rp
 
 
 @njit(cache=True, inline="always")
-def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
+def _emit_compute_tasks(n, m, c, pf, pb, ft, bt, hf, hb, node_gid, g_ptr, g_dev,
                         dur, pri, host, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst):
     """F (and B after it) of every node and microbatch, on the node's group; returns the next free
     task, resource, device and dependency slots."""
@@ -147,11 +148,11 @@ def _emit_compute_tasks(n, m, c, slope, fb, bb, ft, bt, hf, hb, node_gid, g_ptr,
             for ph in range(c):
                 if ph == 0:
                     dur[t] = ft[v]
-                    pri[t] = fb[v] + k * slope
+                    pri[t] = pf[v, k]
                     host[t] = hf[v]
                 else:
                     dur[t] = bt[v]
-                    pri[t] = bb[v] + k * slope
+                    pri[t] = pb[v, k]
                     host[t] = hb[v]
                     src[e] = t - 1
                     dst[e] = t
