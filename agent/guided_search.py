@@ -72,6 +72,7 @@ from agent.placers.search import Annealing, PlanSpace, _propose, energy
 from envs.errors import RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult
 from envs.graph import OpGraph
+from envs.placement.observation import VIRTUAL_STAGE_CHOICES
 from envs.plan import SCHEDULES, Plan
 from envs.topology import Topology
 
@@ -162,8 +163,10 @@ class PolicyProposer:
         self.assign = express(p, plan)
         for mem in p.class_members:
             self.assign[mem] = self.assign[mem[0]]
+        vs = plan.virtual_stages
         self.globals = (self.prep.nearest_microbatch_choice(plan.microbatches),
-                        SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1, 0)
+                        SCHEDULES.index(plan.schedule) if plan.schedule in SCHEDULES else 1,
+                        VIRTUAL_STAGE_CHOICES.index(vs) if vs in VIRTUAL_STAGE_CHOICES else 0)
         self._plan_changed(digest(plan) if plan_digest is None else plan_digest)
 
     def _plan_changed(self, plan_digest: bytes) -> None:
@@ -244,7 +247,7 @@ class PolicyProposer:
         c = int(self.prep.class_of[v])
         groups = self.prep.class_members[c] if c >= 0 else [v]
         new = self.prep.apply_action(plan, groups, a)
-        return None if new.key() == plan.copy(virtual_stages=1).key() else new
+        return None if new.key() == plan.key() else new
 
     def accepted(self, move: tuple[int, int], plan_digest: bytes) -> None:
         """The policy's move was accepted: the current plan (:func:`digest` ``plan_digest``) is the

@@ -461,6 +461,21 @@ class Plan:
         return Plan(**fields)
 
 
+def interleaved_where_valid(plan: Plan, graph: OpGraph, virtual_stages: int) -> Plan:
+    """``plan`` with ``virtual_stages`` model chunks per pipeline rank where its placement and microbatches
+    allow them (:meth:`Plan._validate_virtual_stages`), else without interleaving: a search move that
+    keeps the chunks visiting the ranks in turn (one inside a chunk, or one at a chunk's edge onto its
+    neighbour's devices) keeps the interleaved schedule, one that breaks them falls back to 1F1B."""
+    if virtual_stages > 1:
+        trial = plan if plan.virtual_stages == virtual_stages else plan.copy(virtual_stages=virtual_stages)
+        try:
+            trial._validate_virtual_stages(graph)
+            return trial
+        except PlanError:
+            pass
+    return plan if plan.virtual_stages == 1 else plan.copy(virtual_stages=1)
+
+
 def is_attention_core(graph: OpGraph, v: int) -> bool:
     """Whether node v is part of an attention core: a fused attention op, or a parameter-free softmax,
     dropout or activation x activation matmul inside an attention module."""

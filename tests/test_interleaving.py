@@ -118,3 +118,48 @@ def test_interleaving_shortens_a_multi_host_pipeline():
     t = {v: simulate(g, topo, megatron_plan(g, topo, tp=8, pp=4, microbatch_size=1, global_batch=8,
                                             virtual_stages=v), timeline=False).value for v in (1, 2, 3)}
     assert t[3] < t[2] < t[1]
+
+
+def test_moves_keep_interleaving_while_the_chunks_visit_the_ranks_in_turn():
+    """A search move inside a chunk, or at a chunk's edge onto its neighbour's devices, keeps the
+    interleaved schedule; one that breaks the chunks falls back to 1F1B (envs.plan.interleaved_where_valid,
+    used by the environment, the guided search's moves and MCMC's)."""
+    from envs.plan import interleaved_where_valid
+
+    topo = preset("dgx-a100-80g")
+    g = transformer_graph(layers=8, hidden=256, heads=4, seq=64, vocab=100, batch=8)
+    plan = megatron_plan(g, topo, pp=2, dp=2, virtual_stages=2, microbatch_size=1, global_batch=8)
+    chunk, _ = plan.chunks(g)
+    order = g.topological_order()
+    c0 = [int(v) for v in order if chunk[v] == 0]
+    inside, edge = c0[len(c0) // 2], c0[-1]
+    rank1 = plan.groups[int(next(v for v in order if chunk[v] == 1))]
+
+    def moved(v, group):
+        groups = list(plan.groups)
+        groups[v] = group
+        return plan.copy(groups=groups, virtual_stages=1)
+
+    assert interleaved_where_valid(moved(edge, rank1), g, 2).virtual_stages == 2  # the boundary moves
+    assert interleaved_where_valid(moved(inside, rank1), g, 2).virtual_stages == 1  # chunk 0 split in three
+    assert interleaved_where_valid(plan.copy(microbatches=4), g, 2).virtual_stages == 2
+    assert interleaved_where_valid(plan.copy(microbatches=1, global_batch=8), g, 2).virtual_stages == 1
+
+
+def test_mcmc_placement_moves_keep_a_valid_interleaving():
+    """MCMC's proposals from an interleaved plan: every one interleaves only where its chunks allow it, and
+    some that move operators keep the interleaving (the chunks' edges move)."""
+    from agent.placers.search import PlanSpace, _propose
+
+    topo = preset("dgx-a100-80g")
+    g = transformer_graph(layers=8, hidden=256, heads=4, seq=64, vocab=100, batch=8)
+    plan = megatron_plan(g, topo, pp=2, dp=2, virtual_stages=2, microbatch_size=1, global_batch=8)
+    space, rng = PlanSpace(g, topo, 8), np.random.default_rng(0)
+    kept = 0
+    for _ in range(300):
+        cand = _propose(space, plan, rng)
+        if cand is None:
+            continue
+        cand._validate_virtual_stages(g)
+        kept += cand.virtual_stages == 2 and cand.groups != plan.groups
+    assert kept > 0

@@ -15,8 +15,8 @@ count, schedule (GPipe / 1F1B) and activation recomputation.
   change a contiguous block of units (topological order) to one group and parallelism scheme; change
   the microbatch count, schedule, recomputation (none / selective / full), the ZeRO stage of the
   data-parallel nodes, or sequence parallelism on and off. A plan's ZeRO stage, selective
-  recomputation, sequence splits and virtual stages carry over to its proposals (virtual stages only
-  while the placement is unchanged). A proposal is accepted with probability
+  recomputation, sequence splits and virtual stages carry over to its proposals (virtual stages while
+  the moved placement's chunks still visit the pipeline ranks in turn). A proposal is accepted with probability
   ``min(1, exp(-(E' - E) / T))`` for energy ``E = log(objective value) + overflow penalty``; the temperature
   (:class:`Annealing`) ``T_k = T0 * 2^(-(k - k0) / HALF_LIFE)`` over the evaluation count ``k``, where
   ``k0`` is the last reheat: after ``STALL`` evaluations without a new best plan the chain is reheated
@@ -48,7 +48,14 @@ from agent.placers.common import (
 )
 from envs.errors import PlanError
 from envs.graph import OpGraph
-from envs.plan import Plan, expert_layers, megatron_layouts, recompute_flags, sequence_splittable
+from envs.plan import (
+    Plan,
+    expert_layers,
+    interleaved_where_valid,
+    megatron_layouts,
+    recompute_flags,
+    sequence_splittable,
+)
 from envs.topology import Topology
 
 DEFAULT_BUDGET = Budget(seconds=60.0, evaluations=600)
@@ -256,10 +263,8 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
     recompute = plan.recompute.copy()
     zero = int(plan.zero.max()) if plan.zero.size else 0
     ep = plan.ep.copy()
-    virtual = plan.virtual_stages
+    virtual = plan.virtual_stages  # kept while the chunks still visit the ranks in turn
     r = rng.random()
-    if r < 0.75:
-        virtual = 1  # a placement move: the chunks change
     if r < 0.4:  # one unit
         u = int(rng.integers(space.nu))
         cand = space.unit_groups(u)
@@ -335,8 +340,8 @@ def _propose(space: PlanSpace, plan: Plan, rng: np.random.Generator) -> Plan | N
     layouts = ["replicate" if x == "seq_split" and len(groups[v]) // int(dps[v]) < 2 else x
                for v, x in enumerate(layouts)]
     plan = Plan(groups=groups, layouts=layouts, dp=dps, microbatches=m, schedule=sched, recompute=recompute,
-                zero=np.where(dps // ep > 1, zero, 0), virtual_stages=virtual, ep=ep, **space.kw)
-    return space.keep_valid_experts(plan)
+                zero=np.where(dps // ep > 1, zero, 0), virtual_stages=1, ep=ep, **space.kw)
+    return interleaved_where_valid(space.keep_valid_experts(plan), graph, virtual)
 
 
 def initial_plan(graph: OpGraph, topology: Topology, objective: str, seed: int) -> Plan:

@@ -131,7 +131,7 @@ from envs.placement.task_setup import (
     reference,
     refine_start,
 )
-from envs.plan import LAYOUTS, SCHEDULES, Plan
+from envs.plan import LAYOUTS, SCHEDULES, Plan, interleaved_where_valid
 from envs.sim import OBJECTIVES
 from envs.tasks import Task, default_tasks
 
@@ -310,7 +310,7 @@ class PlacementEnv(gym.Env):
                 start = (p.runner_up or start) if given == RUNNER_UP else start
             else:
                 start = self._given_start(given)
-            self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, 0
+            self._mb_idx, self._sched, self._vs = start.mb_idx, start.schedule, start.vs
             for v in range(n):
                 self._put(v, int(start.assign[v]))
             self._reward_now = start.reward
@@ -587,9 +587,13 @@ class PlacementEnv(gym.Env):
 
     # ------------------------------------------------------------------ plans and outputs
     def _plan_for(self, assign: np.ndarray, globals_: tuple[int, int, int]) -> Plan:
+        """The plan of ``assign`` with the global choices; interleaved only while the placements are chunked
+        as interleaving needs (an episode from an interleaved start moves groups before it decides the
+        virtual stages again at its end)."""
         mb, sched, vs = globals_
-        return self._p.plan(assign, int(self._p.mb_counts[max(mb, 0)]), SCHEDULES[sched if sched >= 0 else 1],
+        plan = self._p.plan(assign, int(self._p.mb_counts[max(mb, 0)]), SCHEDULES[sched if sched >= 0 else 1],
                             VIRTUAL_STAGE_CHOICES[max(vs, 0)], self._placer)
+        return interleaved_where_valid(plan, self._p.task.graph, plan.virtual_stages)
 
     def _current_plan(self) -> Plan:
         return self._plan_for(self._assign, self._globals())

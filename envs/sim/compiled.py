@@ -800,7 +800,7 @@ class CompiledSimulator:
         """Vectorised :func:`envs.sim.cost.memory` (recomputation, ZeRO and sequence parallelism fall back
         to :func:`envs.sim.cost.memory` itself)."""
         objective = "latency" if pa.objective == "latency" else "step_time"
-        if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any() or (pa.vs > 1 and objective != "latency"):
+        if pa.rc.any() or pa.zero.any() or (pa.lay == L_SEQ).any():
             plan = pa.plan if pa.plan is not None else self.plan_of(pa, pa.like)
             return memory(self.graph, self.topology, plan, stage, p, objective)
         graph = self.graph
@@ -823,6 +823,10 @@ class CompiledSimulator:
             inflight = np.ones(self.n)
         elif pa.schedule == "gpipe":
             inflight = np.full(self.n, float(pa.m))
+        elif pa.vs > 1:  # cost.interleaved_in_flight, per node
+            V = pa.vs
+            full, rest = np.divmod(np.minimum((p - stage - 1) * 2 + (V - 1) * p + 1, pa.m * V), p * V)
+            inflight = (full * p + np.clip(rest - (self._chunks(pa)[0] // p) * p, 0, p)).astype(np.float64)
         else:
             inflight = np.minimum(pa.m, p - stage).astype(np.float64)
         # the reference adds node by node; bincount accumulates in input order (node-major): same sums
