@@ -55,7 +55,7 @@ from scipy.sparse.csgraph import connected_components
 
 from envs.branches import concurrent_children, major_regions, reachable, step_load
 from envs.errors import GraphError, PlanError
-from envs.graph import OpGraph
+from envs.graph import CAN_COL, CAN_ROW, OpGraph
 from envs.plan import LAYOUTS, Plan, megatron_layouts
 
 METHODS = ("auto", "module", "light", "partition", "concurrent", "concurrent-chains")
@@ -147,6 +147,22 @@ class Grouping:
 
 
 # ---------------------------------------------------------------------- entry point
+def tensor_parallel_blocks(graph: OpGraph, group_of: np.ndarray, num_groups: int) -> np.ndarray:
+    """Per group: whether its operators mix Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`), one
+    of them a column or row split, as a group of a transformer layer's attention output, residual, norm
+    and MLP input does. No one layout suits all its operators; such a group may be tensor parallel all
+    the same, each operator taking Megatron-LM's layout (``PreparedTask.op_layouts``), so its coarse node
+    may take column and row splits."""
+    code = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64, count=graph.num_nodes)
+    tensor = np.zeros(num_groups, dtype=bool)
+    tensor[group_of[(code == LAYOUTS.index("col_split")) | (code == LAYOUTS.index("row_split"))]] = True
+    lo = np.full(num_groups, len(LAYOUTS))
+    hi = np.full(num_groups, -1)
+    np.minimum.at(lo, group_of, code)
+    np.maximum.at(hi, group_of, code)
+    return tensor & (lo != hi)
+
+
 def group_majority(group_of: np.ndarray, keys: list, num_groups: int) -> list:
     """Per group, its members' most common key; a tie goes to the key that occurs first (lowest op index)."""
     counts: list[dict] = [{} for _ in range(num_groups)]
@@ -780,6 +796,7 @@ def coarse_graph(graph: OpGraph, group_of: np.ndarray, num_groups: int | None = 
     dom = np.lexsort((-flops, group_of))[gstart]  # stable: ties go to the lower index
     kinds = [graph.kinds[i] for i in dom.tolist()]
     caps = np.bitwise_and.reduceat(graph.layout_caps[by_group], gstart) if k else np.zeros(0, np.int64)
+    caps = np.where(tensor_parallel_blocks(graph, group_of, k), caps | CAN_COL | CAN_ROW, caps)
     prefixes: list[tuple[str, ...] | None] = [None] * k
     for i, g in enumerate(group_of.tolist()):
         p = tuple(graph.module_paths[i].split(".")) if graph.module_paths[i] else ()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from envs.evaluator import EvalResult
 from envs.examples import transformer_graph
@@ -179,11 +180,6 @@ def test_megatron_starts_take_the_operators_layouts_on_layout_pure_groups():
     assert p.grouping.info.get("layout_pure")
     per_group = task_setup.group_megatron_layouts(p)
     assert [per_group[v] for v in p.grouping.group_of.tolist()] == megatron_layouts(g)
-    mixed = np.zeros(g.num_nodes, dtype=np.int64)  # one group of every operator: its most common layout
-    mixed_prep = type("P", (), {"task": p.task, "grouping": type("G", (), {"group_of": mixed})(),
-                                "graph": type("N", (), {"num_nodes": 1})()})()
-    fine = megatron_layouts(g)
-    assert task_setup.group_megatron_layouts(mixed_prep) == [max(set(fine), key=fine.count)]
     starts = task_setup.megatron_assignments(p)
     name = "megatron tp2 dp4"
     plan = p.plan(starts[name], 1, "1f1b", 1, name)
@@ -213,3 +209,33 @@ def test_refine_start_interleaves_a_pipeline_as_megatron_does():
     moved = env._assign.copy()
     moved[: moved.size // 2] = moved[0]  # the first half of the groups on the first stage: no longer chunked
     assert env._plan_for(moved, env._globals()).virtual_stages == 1
+
+
+def test_groups_that_mix_column_and_row_splits_run_megatrons_layouts():
+    """A 24-layer GPT in 64 groups: most groups hold a linear Megatron-LM splits by columns and one it
+    splits by rows (``envs.coarsen.tensor_parallel_blocks``). Such a group may still be tensor parallel: a
+    column split gives each operator its Megatron-LM layout, a row split the same with sequence
+    parallelism; so the Megatron starts are Megatron-LM's plans exactly, and the search's moves keep them."""
+    from envs.coarsen import tensor_parallel_blocks
+    from envs.graph import CAN_COL, CAN_ROW
+    from envs.plan import megatron_plan
+    from envs.sim import simulate
+
+    g = transformer_graph(layers=24, hidden=256, heads=4, seq=64, vocab=500, batch=8)
+    topo = preset("dgx-a100-80g")
+    env = PlacementEnv([Task(g, topo)], mode="refine", max_nodes=64, max_devices=8)
+    env.reset(seed=0)
+    p = env._p
+    mixed = tensor_parallel_blocks(g, p.grouping.group_of, p.grouping.num_groups)
+    assert mixed.sum() > p.grouping.num_groups // 2
+    assert ((p.graph.layout_caps[mixed] & (CAN_COL | CAN_ROW)) == CAN_COL | CAN_ROW).all()
+    starts = task_setup.megatron_assignments(p)
+    for name, sp in (("megatron tp2 dp4", False), ("megatron tp2 dp4 sp", True)):
+        plan = p.plan(starts[name], 1, "1f1b", 1, name)
+        reference = megatron_plan(g, topo, tp=2, dp=4, sequence_parallel=sp)
+        assert plan.layouts == reference.layouts
+        assert simulate(g, topo, plan).value == pytest.approx(simulate(g, topo, reference).value, rel=1e-9)
+        assert (task_setup.express(p, reference) == starts[name]).all()  # and back
+        # a move of a mixed group to its own placement again changes nothing
+        v = int(np.flatnonzero(mixed)[0])
+        assert p.apply_action(plan, [v], int(starts[name][v])).layouts == plan.layouts

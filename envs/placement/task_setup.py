@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from envs.branches import balanced_bins, major_regions, step_load
-from envs.coarsen import group_majority
+from envs.coarsen import group_majority, tensor_parallel_blocks
 from envs.errors import EnvError, PlanError
 from envs.evaluator import EvalResult, PlanEvaluator
 from envs.graph import OpGraph
@@ -58,6 +58,7 @@ from envs.tasks import Task
 
 REFERENCE_PLANS = ("single_device", "data_parallel")  # the envs.plan templates T_ref is the better of
 ZERO = np.array([m.zero for m in MODIFIERS], dtype=np.int64)
+_COL, _ROW = LAYOUTS.index("col_split"), LAYOUTS.index("row_split")
 RECOMPUTE_MODE = np.array([RECOMPUTE.index(m.recompute) for m in MODIFIERS], dtype=np.int64)
 EXPERT_PARALLEL = np.array([m.expert_parallel for m in MODIFIERS], dtype=bool)
 _MODIFIER_ID = {(m.zero, m.recompute, m.expert_parallel): k for k, m in enumerate(MODIFIERS)}
@@ -180,7 +181,7 @@ class PreparedTask:
         zero = np.where((fine.param_bytes > 0) & (dp > 1), ZERO[op_mod], 0)
         ep = np.where(EXPERT_PARALLEL[op_mod], expert_parallel_degree(dp, self.ops["expert_count"]), 1)
         groups = [opts.groups[o] for o in place.tolist()]
-        plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[i] for i in opts.layout[op_place].tolist()],
+        plan = Plan(groups=[groups[i] for i in g.tolist()], layouts=[LAYOUTS[i] for i in self.op_layouts(opts.layout[op_place]).tolist()],
                     dp=dp, recompute=recompute, zero=zero, ep=ep, microbatches=microbatches, schedule=schedule,
                     virtual_stages=virtual_stages, global_batch=self.task.global_batch, dtype=self.dtype,
                     state_bytes_per_param=self.state_bytes_per_param,
@@ -188,6 +189,19 @@ class PreparedTask:
         if ep.max(initial=1) > 1:
             _drop_invalid_expert_parallelism(plan, fine, self.ops["expert_layer"])
         return plan
+
+    def op_layouts(self, lay: np.ndarray, ops: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The layouts (indices into LAYOUTS) of operators ``ops`` whose groups' placements have layouts
+        ``lay``: the placement's, except in a group that mixes Megatron-LM's layouts, one of them a tensor
+        split (:func:`envs.coarsen.tensor_parallel_blocks`), where a column split means Megatron-LM's
+        tensor-parallel layout of each operator and a row split the same with sequence parallelism
+        (Shoeybi et al. 2019; Korthikanti et al. 2022): one split for all would put a gather between every
+        pair of linears, and the norms could not take it."""
+        block = self.ops["tensor_block"][ops]
+        if not block.any():
+            return lay
+        return np.where(block & (lay == _COL), self.ops["megatron"][ops],
+                        np.where(block & (lay == _ROW), self.ops["megatron_sp"][ops], lay))
 
     def apply_action(self, plan: Plan, groups, action: int) -> Plan:
         """A copy of ``plan`` (on the task's operators) whose ops of ``groups`` take ``action`` as
@@ -200,9 +214,10 @@ class PreparedTask:
         ops = np.flatnonzero(np.isin(g, np.asarray(list(groups), dtype=np.int64)))
         fine = self.task.graph
         new = plan.copy(provenance={}, virtual_stages=1)
-        devices, layout, dp = opts.groups[o], LAYOUTS[int(opts.layout[o])], int(opts.dp[o])
-        for u in ops.tolist():
-            new.groups[u], new.layouts[u] = devices, layout
+        devices, dp = opts.groups[o], int(opts.dp[o])
+        layouts = self.op_layouts(np.full(ops.size, opts.layout[o], dtype=np.int64), ops)
+        for u, lay in zip(ops.tolist(), layouts.tolist()):
+            new.groups[u], new.layouts[u] = devices, LAYOUTS[lay]
         new.dp[ops] = dp
         rc = int(RECOMPUTE_MODE[k])
         new.recompute[ops] = (rc == RECOMPUTE.index("full")) | ((rc == RECOMPUTE.index("selective"))
@@ -244,7 +259,7 @@ def prepare_task(task: Task, settings: Settings) -> PreparedTask:
     dtype = defaults["dtype"]
     options = option_table(task, dtype, settings, who)
     class_of, members, caps = colocation_classes(graph)
-    ops = operator_facts(task.graph)
+    ops = operator_facts(task.graph, grouping)
     stats = group_stats(task.graph, graph, grouping, ops)
     allowed = options.allowed(caps, stats.seq_ok)
     mb_counts, mb_valid, mb_ok = microbatch_masks(task.global_batch, settings.microbatch_choices, options, who)
@@ -328,12 +343,25 @@ def colocation_classes(graph: OpGraph) -> tuple[np.ndarray, list[np.ndarray], np
     return class_of, members, caps
 
 
-def operator_facts(graph: OpGraph) -> dict:
+def operator_facts(graph: OpGraph, grouping=None) -> dict:
     """Per operator: attention core (``core``), expert layer and experts in it (``expert_layer``,
-    ``expert_count``), sequence-splittable (``seq_ok``)."""
+    ``expert_count``), sequence-splittable (``seq_ok``), Megatron-LM's layout without and with sequence
+    parallelism (``megatron``, ``megatron_sp``: indices into LAYOUTS) and whether its group mixes those
+    layouts, one of them a tensor split (``tensor_block``; per group ``tensor_block_group``)."""
     layer, _, count = expert_layers(graph)
-    return {"core": attention_core(graph), "expert_layer": layer, "expert_count": count,
-            "seq_ok": sequence_splittable(graph)}
+    seq_ok = sequence_splittable(graph)
+    meg = megatron_layouts(graph)
+    n = graph.num_nodes
+    if grouping is not None:
+        per_group = tensor_parallel_blocks(graph, grouping.group_of, grouping.num_groups)
+        block = per_group[grouping.group_of]
+    else:
+        per_group = block = np.zeros(n, dtype=bool)
+    return {"core": attention_core(graph), "expert_layer": layer, "expert_count": count, "seq_ok": seq_ok,
+            "megatron": np.fromiter(map(LAYOUTS.index, meg), dtype=np.int64, count=n),
+            "megatron_sp": np.fromiter(map(LAYOUTS.index, sequence_parallel_layouts(meg, seq_ok)), dtype=np.int64,
+                                       count=n),
+            "tensor_block": block, "tensor_block_group": per_group}
 
 
 def group_stats(fine: OpGraph, graph: OpGraph, grouping, ops: dict) -> GroupStats:
@@ -986,7 +1014,18 @@ def express(prep: PreparedTask, plan: Plan) -> np.ndarray:
         raise EnvError(f"the plan has {plan.num_nodes} nodes; task {prep.task.name!r} has {fine_n} ops and "
                        f"{n} groups")
     look = prep.options.lookup()
-    majority = group_majority(g, [(plan.groups[i], plan.layouts[i], int(plan.dp[i])) for i in range(g.size)], n)
+    layouts = plan.layouts
+    if g.size == fine_n and prep.ops["tensor_block"].any():
+        # a group mixing Megatron-LM's layouts is tensor parallel where its operators are split: a column
+        # split (with sequence-split operators, a row split) stands for their layouts (PreparedTask.op_layouts)
+        split = np.zeros(n, dtype=bool)
+        seq = np.zeros(n, dtype=bool)
+        lay = np.asarray(layouts)
+        split[g[(lay == "col_split") | (lay == "row_split")]] = True
+        seq[g[lay == "seq_split"]] = True
+        tensor = prep.ops["tensor_block_group"] & split
+        layouts = [("row_split" if seq[c] else "col_split") if tensor[c] else x for x, c in zip(layouts, g.tolist())]
+    majority = group_majority(g, [(plan.groups[i], layouts[i], int(plan.dp[i])) for i in range(g.size)], n)
     out = np.empty(n, dtype=np.int64)
     for v in range(n):
         key = majority[v]
@@ -1269,7 +1308,7 @@ def staged_megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
     look, topo, n = prep.options.lookup(), prep.task.topology, prep.graph.num_nodes
     groups = list(dict.fromkeys(prep.options.groups))
     layouts = group_megatron_layouts(prep)
-    sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
+    sequence_parallel = group_sequence_parallel_layouts(prep, layouts)
     pools = {tuple(range(topo.num_devices)): ""}
     by_kind = topo.devices_by_kind()
     for kind, members in by_kind.items() if len(by_kind) > 1 else ():
@@ -1334,7 +1373,7 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
             largest = max(same, key=len)
             groups.setdefault(largest, f"{kind} x{len(largest)} ")
     layouts = group_megatron_layouts(prep)
-    sequence_parallel = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
+    sequence_parallel = group_sequence_parallel_layouts(prep, layouts)
     out = {}
     for group, label in groups.items():
         for dp in sorted({k[2] for k in look if k[0] == group and k[1] == "replicate"}):
@@ -1354,12 +1393,26 @@ def megatron_assignments(prep: PreparedTask) -> dict[str, np.ndarray]:
 
 def group_megatron_layouts(prep: PreparedTask) -> list[str]:
     """Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`) of the task's operators, each group taking
-    its operators' most common one (ties: the first operator's). The coarse graph's own layouts would
-    follow its groups' summed capabilities, which pair column and row splits differently."""
+    its operators' most common one (ties: the first operator's), and a group that mixes them, one of them
+    a tensor split, a column split (each of its operators then takes its own: :meth:`PreparedTask.op_layouts`). The
+    coarse graph's own layouts would follow its groups' summed capabilities, which pair column and row
+    splits differently."""
     fine = megatron_layouts(prep.task.graph)
     if prep.grouping is None:
         return fine
-    return group_majority(prep.grouping.group_of, fine, prep.graph.num_nodes)
+    majority = group_majority(prep.grouping.group_of, fine, prep.graph.num_nodes)
+    return ["col_split" if mixed else x for x, mixed in zip(majority, prep.ops["tensor_block_group"].tolist())]
+
+
+def group_sequence_parallel_layouts(prep: PreparedTask, layouts: list[str]) -> list[str]:
+    """:func:`group_megatron_layouts` ``layouts`` with Megatron-LM's sequence parallelism
+    (:func:`envs.plan.sequence_parallel_layouts` where every operator of a group may be sequence-split;
+    a group that mixes Megatron-LM's layouts takes a row split: its operators' layouts with sequence
+    parallelism)."""
+    out = sequence_parallel_layouts(layouts, prep.stats.seq_ok)
+    if prep.grouping is None:
+        return out
+    return ["row_split" if mixed else x for x, mixed in zip(out, prep.ops["tensor_block_group"].tolist())]
 
 
 def _group_action(prep: PreparedTask, look: dict, v: int, group: tuple[int, ...], layout: str, dp: int) -> int:
