@@ -654,16 +654,17 @@ def gpipe_at_every_count(prep: PreparedTask, scoring: Scoring, start: RefineStar
 
 
 def _interleaving_may_win(prep: PreparedTask, start: RefineStart, best: RefineStart) -> bool:
-    """Whether a staged pipeline start of ``p`` stages at ``m`` microbatches could come within
-    :data:`NEAR_BEST_MARGIN` of ``best`` interleaved: 1F1B's bubble is ``(p - 1) / m`` of the ideal time,
-    ``v`` virtual stages divide it by ``v`` (Narayanan et al., SC'21, Sec. 2.2), so its time scales by
-    ``(m + (p - 1) / v) / (m + p - 1)`` at the largest ``v``. Llama-7B (batch 8) on two 8-A100 nodes: a
+    """Whether a staged pipeline start of ``p`` stages at ``m`` microbatches could beat ``best`` interleaved:
+    1F1B's bubble is ``(p - 1) / m`` of the ideal time, ``v`` virtual stages divide it by ``v`` (Narayanan et
+    al., SC'21, Sec. 2.2), so its time scales by ``(m + (p - 1) / v) / (m + p - 1)`` at the largest ``v``
+    at best (the chunks' extra transfers only add; an interleaved start that does not beat the best is of
+    no use: only the plain staged starts have their cuts moved). Llama-7B (batch 8) on two 8-A100 nodes: a
     2-stage tensor x data-parallel pipeline at 387 ms (2 microbatches) against 332 ms data parallel;
     Megatron-LM interleaves it 4 ways, 286 ms."""
     if start.name not in prep.staged or start.result.oom or best.result.oom:
         return False
     p, m, v = int(prep.staged[start.name].stage.max()) + 1, int(prep.mb_counts[start.mb_idx]), VIRTUAL_STAGE_CHOICES[-1]
-    return float(start.result.value) * (m + (p - 1) / v) / (m + p - 1) <= float(best.result.value) * (1 + NEAR_BEST_MARGIN)
+    return float(start.result.value) * (m + (p - 1) / v) / (m + p - 1) < float(best.result.value)
 
 
 def _interleaving_bound(prep: PreparedTask, start: RefineStart, tried: RefineStart, k: int) -> float:
@@ -687,7 +688,7 @@ def interleaved_at_every_count(prep: PreparedTask, scoring: Scoring, start: Refi
     (Megatron-LM's condition); the best, or None where none is expressible. The bubble shrinks by ``v``:
     Llama-7B (batch 8) on 4 PCIe A100s, 4 stages and 8 microbatches, 1.085 s with GPipe, 0.885 s
     interleaved 4 ways (Megatron-LM's plan: 0.891 s). The degrees go up while one beats the start and
-    the largest could still come within :data:`NEAR_BEST_MARGIN` of ``rival`` (the best start so far):
+    the largest could still beat ``rival`` (the best start so far):
     each degree adds ``k`` stage boundaries a microbatch crosses, and :func:`_interleaving_bound` says what
     the largest can reach at best (a 100-layer GPT's 4-stage pipeline of data-parallel pairs on 8 A100s:
     0.915 s, interleaved 2 ways 0.722 s, bound at 4 ways 0.653 s against data parallelism's 0.569 s: stop;
@@ -702,7 +703,7 @@ def interleaved_at_every_count(prep: PreparedTask, scoring: Scoring, start: Refi
                 best is None and vs > 1):
             break
         if best is not None and rival is not None and not rival.result.oom and _interleaving_bound(
-                prep, start, best, k) > float(rival.result.value) * (1 + NEAR_BEST_MARGIN):
+                prep, start, best, k) >= float(rival.result.value):
             break
         chunk = contiguous_stages(prep.graph, k * v, weights=prep.time_single)
         assign = _with_classes(prep, staged.build(chunk % k))

@@ -152,6 +152,7 @@ class CompiledSimulator:
         self._last: PlanArrays | None = None
         self._prio_cache: dict = {}
         self._group_res: dict = {}
+        self._comm_res: tuple | None = None  # _comm_resources' CSR over the interned groups
         self.caps = np.array([d.memory_bytes for d in topology.devices])
         self.dev_bw = np.array([d.bandwidth() for d in topology.devices])
         self.dev_lo = np.array([d.launch_overhead for d in topology.devices])
@@ -280,10 +281,10 @@ class CompiledSimulator:
             nt += len(cr.tasks)
             new["s_tptr"].append(nt)
             # forward steps then backward steps of each template, contiguous: ranges [lo, lo + n)
-            for chain, lo, cnt in ((cr.forward, "f_lo", "f_n"), (cr.backward, "b_lo", "b_n")):
+            for steps, lo, cnt in ((cr.forward, "f_lo", "f_n"), (cr.backward, "b_lo", "b_n")):
                 new[lo].append(nst)
-                new[cnt].append(len(chain))
-                for step in chain:
+                new[cnt].append(len(steps))
+                for step in steps:
                     new["st_idx"].extend(step)
                     nsti += len(step)
                     new["st_ptr"].append(nsti)
@@ -507,8 +508,8 @@ class CompiledSimulator:
         *step, host, sync = step
         step = extra.append_to(*step)  # (drops the kernel's arrays before scheduling)
         if self.hosted:
-            host = (np.concatenate([host, np.asarray(extra.host, dtype=np.float64)]),
-                    np.concatenate([sync, np.zeros(len(extra.host), dtype=bool)]))
+            extra_host = extra.host
+            host = (np.concatenate([host, extra_host]), np.concatenate([sync, np.zeros(len(extra_host), dtype=bool)]))
         else:
             host = None
         return self._schedule_and_report(pa, step, extra, stage, p, groups, expand, want_timeline, host)
@@ -660,35 +661,51 @@ class CompiledSimulator:
         tid_last = np.empty(nb, dtype=np.int64)  # the bucket's task after the last microbatch
         tid_last[border] = first_id + nk - 1
         comm, sizes = self.comm, bsize[border].tolist()
-        firsts, counts, bbv = first_node[border].tolist(), nmem[border].tolist(), pb[v0].tolist()
-        dur, pri, res, devices, labels, hosts = [], [], [], [], [], []
-        gathers = []
-        for j, (g, dp, zero, sq, sc, pk) in enumerate(zip(gid0.tolist(), dp0.tolist(), zero0.tolist(), sq0.tolist(),
-                                                          scatter.tolist(), per_k.tolist())):
-            devs, host, rs = self._group_resources(g)
-            members = self._groups[g] if sq else dp_groups(self._groups[g], dp)[0]
+        firsts, counts = first_node[border].tolist(), nmem[border].tolist()
+        t = np.empty(nb)  # per bucket (task order): its collective's time and its group's host cost
+        host = np.empty(nb)
+        labels, gathers, members_of_group = [], [], {}
+        for j, (g, dp, zero, sq, sc, k) in enumerate(zip(gid0.tolist(), dp0.tolist(), zero0.tolist(), sq0.tolist(),
+                                                         scatter.tolist(), nk.tolist())):
+            members = members_of_group.get((g, dp, sq))
+            if members is None:
+                members = members_of_group[(g, dp, sq)] = self._groups[g] if sq else dp_groups(self._groups[g], dp)[0]
             kind, label = ("reduce_scatter", "grad reducescatter") if sc else ("all_reduce", "grad allreduce")
-            t = comm.collective(kind, members, sizes[j])
-            ks = range(m) if pk else (m - 1,)
-            for k in ks:
-                dur.append(t)
-                pri.append(bbv[j][k] + 0.5)
-                res.append(rs)
-                devices.append(devs)
-                labels.append((label, firsts[j], counts[j]))
-                hosts.append(host)
+            t[j] = comm.collective(kind, members, sizes[j])
+            host[j] = self._group_resources(g)[1]
+            labels += [(label, firsts[j], counts[j])] * k
             if sc and zero in (1, 2):
                 gathers.append((self._groups[g], members, sizes[j], firsts[j], counts[j]))
-        extra.add_many(dur, pri, KIND_COMM, res, devices, labels, hosts)
+        # the tasks, bucket by bucket: microbatch k of a per-microbatch bucket, else the last microbatch only
+        at_k = per_k[:, None] | (np.arange(m) == m - 1)[None, :]
+        task_gid = np.repeat(gid0, nk)
+        res_len, res_idx = self._comm_resources(task_gid)
+        task, bdevs = expand_groups(task_gid, g_ptr, g_dev)  # each task's devices: its group's
+        extra.add_block(np.repeat(t, nk), (pb[v0] + 0.5)[at_k], KIND_COMM, res_len, res_idx, np.diff(g_ptr)[task_gid],
+                        bdevs, labels, np.repeat(host, nk))
         per_mb = [(int(b), int(f)) for b, f, pk in zip(border, first_id, per_k) if pk and m > 1]
         extra.deps(self._last_backward(m)[visited], tid_last[bidx])
         for b, first in per_mb:  # ZeRO-2/3: the bucket's task of microbatch k after each node's B(v, k)
             nodes = visited[members_of[mem_ptr[b]:mem_ptr[b + 1]]]
             ks = np.arange(m - 1, dtype=np.int64)
             extra.deps((nodes[None, :] * m * 2 + ks[:, None] * 2 + 1).reshape(-1), np.repeat(first + ks, len(nodes)))
-        task, bdevs = expand_groups(np.repeat(gid0, nk), g_ptr, g_dev)  # each task's devices: its group's
         bt_ids = np.arange(extra.next_id - int(nk.sum()), extra.next_id, dtype=np.int64)[task]
         return (bt_ids, bdevs), gathers
+
+    def _comm_resources(self, gids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per task on interned group ``gids[i]``: its number of communication resources and, flat, the
+        resources (every member's send port, then every member's receive port: :meth:`_group_resources`)."""
+        table = self._comm_res
+        if table is None or len(table[0]) != len(self._groups) + 1:
+            nd = self.nd
+            rows = [[nd + d for d in g] + [2 * nd + d for d in g] for g in self._groups]
+            ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum([len(r) for r in rows], out=ptr[1:])
+            table = self._comm_res = (ptr, np.fromiter((x for r in rows for x in r), dtype=np.int64, count=int(ptr[-1])))
+        ptr, idx = table
+        lens = ptr[gids + 1] - ptr[gids]
+        starts = np.repeat(ptr[gids] - np.cumsum(lens) + lens, lens)
+        return lens, idx[starts + np.arange(int(lens.sum()), dtype=np.int64)]
 
     def _group_resources(self, gid: int):
         """(sorted devices, host cost of a collective, communication resources) of interned group ``gid``
@@ -725,13 +742,25 @@ class CompiledSimulator:
 
     def _parameter_gathers(self, gathers, opt_ids: np.ndarray, extra: _ExtraTasks) -> None:
         """ZeRO-1/2: the updated weights of each bucket all-gathered after its devices' optimizers."""
+        if not gathers:
+            return
         opt = opt_ids.tolist()
-        for g, members, size, first, count in gathers:
-            t = self.comm.collective("all_gather", members, size)
-            devs, host, res = self._group_resources(self._gid[g])
-            tid = extra.add(t, 1e300, KIND_COMM, res, devs, ("param allgather", first, count), host)
-            src = np.array([opt[d] for d in g if opt[d] >= 0], dtype=np.int64)
-            extra.deps(src, np.full(len(src), tid, dtype=np.int64))
+        dur, res, devices, labels, hosts, src, dst = [], [], [], [], [], [], []
+        tid = extra.next_id
+        for g, members, size, first, count in gathers:  # one task each, ids in order
+            dur.append(self.comm.collective("all_gather", members, size))
+            devs, host, rs = self._group_resources(self._gid[g])
+            res.append(rs)
+            devices.append(devs)
+            labels.append(("param allgather", first, count))
+            hosts.append(host)
+            for d in g:
+                if opt[d] >= 0:
+                    src.append(opt[d])
+                    dst.append(tid)
+            tid += 1
+        extra.add_many(dur, [1e300] * len(dur), KIND_COMM, res, devices, labels, hosts)
+        extra.deps(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
 
     def _schedule_and_report(self, pa: PlanArrays, step, extra: _ExtraTasks, stage, p, groups: EdgeGroups,
                              expand, want_timeline: bool, host=None) -> StepReport:
@@ -885,21 +914,26 @@ class _TemplateIndex:
 
 
 class _ExtraTasks:
-    """Tasks appended after the kernel's (gradient all-reduces, optimizer updates) and extra dependencies."""
+    """Tasks appended after the kernel's (gradient all-reduces, optimizer updates) and extra dependencies,
+    kept as blocks of arrays (one block per call) and concatenated once."""
 
     def __init__(self, first_id: int):
         self.first_id = self.next_id = first_id
-        self.dur: list[float] = []
-        self.pri: list[float] = []
-        self.kind: list[int] = []
-        self.res_ptr = [0]  # each task's resources, as CSR
-        self.res_idx: list[int] = []
-        self.dev_ptr = [0]
-        self.dev_idx: list[int] = []
-        self.labels: list = []  # (first node, number of nodes) of a bucket, or an optimizer's device
-        self.host: list[float] = []
+        self._dur: list[np.ndarray] = []
+        self._pri: list[np.ndarray] = []
+        self._kind: list[np.ndarray] = []
+        self._host: list[np.ndarray] = []
+        self._res_len: list[np.ndarray] = []  # each task's number of resources, and the resources in order
+        self._res_idx: list[np.ndarray] = []
+        self._dev_len: list[np.ndarray] = []
+        self._dev_idx: list[np.ndarray] = []
+        self.labels: list = []  # (label, first node, number of nodes) of a bucket, or an optimizer's device
         self.src: list[np.ndarray] = []
         self.dst: list[np.ndarray] = []
+
+    @property
+    def host(self) -> np.ndarray:
+        return np.concatenate(self._host) if self._host else np.zeros(0)
 
     def add(self, dur, pri, kind, res, devices, label, host: float = 0.0) -> int:
         """One task; its id."""
@@ -907,33 +941,34 @@ class _ExtraTasks:
         return self.next_id - 1
 
     def add_many(self, dur: list, pri: list, kind: int, res: list, devices: list, labels: list, host: list) -> None:
-        """Tasks of one kind, in order (their ids follow ``next_id``)."""
-        self.host.extend(host)
-        self.dur.extend(dur)
-        self.pri.extend(pri)
-        self.kind.extend([kind] * len(dur))
-        for r in res:
-            self.res_idx.extend(r)
-            self.res_ptr.append(len(self.res_idx))
-        for d in devices:
-            self.dev_idx.extend(d)
-            self.dev_ptr.append(len(self.dev_idx))
+        """Tasks of one kind, in order (their ids follow ``next_id``); ``res`` and ``devices``: a list each."""
+        self.add_block(np.asarray(dur, dtype=np.float64), np.asarray(pri, dtype=np.float64), kind,
+                       np.fromiter(map(len, res), dtype=np.int64, count=len(res)),
+                       np.fromiter((x for r in res for x in r), dtype=np.int64),
+                       np.fromiter(map(len, devices), dtype=np.int64, count=len(devices)),
+                       np.fromiter((x for d in devices for x in d), dtype=np.int64), labels,
+                       np.asarray(host, dtype=np.float64))
+
+    def add_block(self, dur: np.ndarray, pri: np.ndarray, kind: int, res_len: np.ndarray, res_idx: np.ndarray,
+                  dev_len: np.ndarray, dev_idx: np.ndarray, labels: list, host: np.ndarray) -> None:
+        """Tasks of one kind as arrays (resources and devices as per-task counts and the flat lists)."""
+        self._dur.append(dur)
+        self._pri.append(pri)
+        self._kind.append(np.full(len(dur), kind, dtype=np.int64))
+        self._host.append(host)
+        self._res_len.append(res_len)
+        self._res_idx.append(res_idx)
+        self._dev_len.append(dev_len)
+        self._dev_idx.append(dev_idx)
         self.labels.extend(labels)
         self.next_id += len(dur)
 
     def add_optimizers(self, times: np.ndarray, devices: list[int]) -> np.ndarray:
         """One optimizer task per device (lowest urgency); their task ids."""
         first, k = self.next_id, len(devices)
-        self.dur.extend(times.tolist())
-        self.host.extend([0.0] * k)
-        self.pri.extend([1e300] * k)
-        self.kind.extend([KIND_OPT] * k)
-        self.res_ptr.extend(range(len(self.res_idx) + 1, len(self.res_idx) + k + 1))
-        self.res_idx.extend(devices)
-        self.dev_ptr.extend(range(len(self.dev_idx) + 1, len(self.dev_idx) + k + 1))
-        self.dev_idx.extend(devices)
-        self.labels.extend(devices)
-        self.next_id += k
+        one, dev = np.ones(k, dtype=np.int64), np.asarray(devices, dtype=np.int64)
+        self.add_block(np.asarray(times, dtype=np.float64), np.full(k, 1e300), KIND_OPT, one, dev, one, dev,
+                       list(devices), np.zeros(k))
         return first + np.arange(k, dtype=np.int64)
 
     def deps(self, src: np.ndarray, dst: np.ndarray) -> None:
@@ -943,13 +978,13 @@ class _ExtraTasks:
     def append_to(self, dur, pri, kind, res_ptr, res_idx, dev_ptr, dev_idx, src, dst):
         """The kernel's task arrays with these tasks and dependencies appended."""
         if self.next_id > self.first_id:
-            dur = np.concatenate([dur, np.asarray(self.dur, dtype=np.float64)])
-            pri = np.concatenate([pri, np.asarray(self.pri, dtype=np.float64)])
-            kind = np.concatenate([kind, np.asarray(self.kind, dtype=np.int64)])
-            res_ptr = np.concatenate([res_ptr, res_ptr[-1] + np.asarray(self.res_ptr[1:], dtype=np.int64)])
-            res_idx = np.concatenate([res_idx, np.asarray(self.res_idx, dtype=np.int64)])
-            dev_ptr = np.concatenate([dev_ptr, dev_ptr[-1] + np.asarray(self.dev_ptr[1:], dtype=np.int64)])
-            dev_idx = np.concatenate([dev_idx, np.asarray(self.dev_idx, dtype=np.int64)])
+            dur = np.concatenate([dur, *self._dur])
+            pri = np.concatenate([pri, *self._pri])
+            kind = np.concatenate([kind, *self._kind])
+            res_ptr = np.concatenate([res_ptr, res_ptr[-1] + np.cumsum(np.concatenate(self._res_len))])
+            res_idx = np.concatenate([res_idx, *self._res_idx])
+            dev_ptr = np.concatenate([dev_ptr, dev_ptr[-1] + np.cumsum(np.concatenate(self._dev_len))])
+            dev_idx = np.concatenate([dev_idx, *self._dev_idx])
         if self.src:
             src = np.concatenate([src] + self.src)
             dst = np.concatenate([dst] + self.dst)
