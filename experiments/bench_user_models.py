@@ -2,6 +2,7 @@
 
     python -m experiments.bench_user_models [--models convnext,tcn] [--clusters "dgx-a100-80g;hetero"]
                                             [--policy P.zip] [--out experiments/results/agent] [--ray]
+    python -m experiments.bench_user_models --large   # LARGE_MODELS instead of the model files
 
 What a user does with a model of their own: ``rlplace profile my_model.py:build`` and ``rlplace place``.
 Per model file x cluster preset: the shipped policy's best of greedy + 8 samples vs the best fast
@@ -16,6 +17,9 @@ ensemble of eight CNNs),
 without (a)'s untrained-network ablation. A file that
 needs an optional package that is not installed (``transformers``: the ``[hf]`` extra) is listed as
 skipped. Writes ``user_models.json``, ``.md`` and a heat map ``.png`` into ``--out`` atomically.
+
+``--large``: the same measurement on :data:`LARGE_MODELS`, zoo members at sizes the suite does not have
+(Llama-7B, GPT-1.3B, T5-large, ViT-H/14, a 32-expert MoE; ``large_models.*``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,13 @@ from experiments.bench_agent import OUT, _geo, _ratio, write_report  # noqa: E40
 MODELS_DIR = ROOT / "experiments" / "models"
 CLUSTERS = ("dgx-a100-80g", "pcie-4gpu", "hetero", "a100-80g-cluster:nodes=2")
 OPTIONAL = {"transformers": "hf"}  # a package a model file may import -> the extra that installs it
+LARGE_MODELS = {  # published sizes (Touvron et al. 2023; GPT-3 XL; Raffel et al. 2020; Dosovitskiy et al. 2021)
+    "llama-7b": "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=11008,vocab=32000,seq=2048,batch=8",
+    "gpt-1.3b": "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=50257,batch=8",
+    "t5-large": "t5:layers=24,hidden=1024,heads=16,ffn=4096,vocab=32128,seq=512,batch=16",
+    "vit-h14": "vit:img=224,patch=14,layers=32,hidden=1280,heads=16,batch=128",
+    "moe-32e": "moe:layers=12,hidden=1024,heads=16,experts=32,topk=2,seq=1024,batch=16",
+}
 
 
 def model_files(names: list[str] | None) -> tuple[list[str], dict[str, str]]:
@@ -64,7 +75,8 @@ def zero_shot_case(job: tuple[str, str, str]) -> dict:
     from profilers.spec import graph_from_spec
 
     stem, cluster, policy = job
-    graph, topo = graph_from_spec(f"{MODELS_DIR / stem}.py:build"), resolve_topology(cluster)
+    spec = LARGE_MODELS.get(stem, f"{MODELS_DIR / stem}.py:build")
+    graph, topo = graph_from_spec(spec), resolve_topology(cluster)
     t = time.perf_counter()
     res = place(graph, topo, model=cached_policy(policy), samples=8, seed=0)
     pol = min((c for c in res.candidates if c.kind == "policy"), key=Candidate.key)
@@ -84,9 +96,9 @@ def summary(rows: list[dict], skipped: dict[str, str]) -> dict:
             "target": "(a)'s: geomean >= 1.00 and min >= 0.90"}
 
 
-def markdown(res: dict) -> str:
-    lines = ["# Zero-shot placement of user model files", "",
-             "`python -m experiments.bench_user_models`; the shipped policy's greedy + 8 samples vs the best fast "
+def markdown(res: dict, what: str = "user model files", command: str = "") -> str:
+    lines = [f"# Zero-shot placement of {what}", "",
+             f"`python -m experiments.bench_user_models{command}`; the shipped policy's greedy + 8 samples vs the best fast "
              "heuristic (ratio > 1: the policy is faster); target (a)'s: geomean >= 1.00, min >= 0.90.", "",
              f"{res['n']} cases: geometric mean {res['geomean']:.3f}, min {res['min']:.3f}, "
              f"{res['below_0_90']} below 0.90, {res['wins']} wins. Took {res.get('seconds', 0):.0f} s.", "",
@@ -103,7 +115,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, what: str = "user model files") -> None:
     """A heat map of the ratios, models x clusters."""
     import matplotlib
 
@@ -126,7 +138,7 @@ def plot(res: dict, path: Path) -> None:
         if not np.isnan(v):
             ax.text(j, i, f"{v:.3f}", ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=ax, label="best heuristic / policy (zero-shot)")
-    ax.set_title(f"user model files: geomean {res['geomean']:.3f}, min {res['min']:.3f}")
+    ax.set_title(f"{what}: geomean {res['geomean']:.3f}, min {res['min']:.3f}")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -144,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=str(PRETRAINED))
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--ray", action="store_true", help="run the cases on a local Ray instance")
+    ap.add_argument("--large", action="store_true", help="the large zoo models of LARGE_MODELS instead")
     args = ap.parse_args(argv)
     clusters = [c for c in args.clusters.split(";") if c]
     try:  # bad input: one line, before any work
-        stems, skipped = model_files(args.models.split(",") if args.models else None)
+        if args.large:
+            stems, skipped = list(LARGE_MODELS), {}
+        else:
+            stems, skipped = model_files(args.models.split(",") if args.models else None)
         for c in clusters:
             resolve_topology(c)
         load_policy(args.policy)
@@ -163,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = ex.map(zero_shot_case, jobs)
     res = summary(rows, skipped)
     res["seconds"] = round(time.time() - t0, 1)
-    write_report(Path(args.out), "user_models", res, markdown(res), lambda path: plot(res, path))
+    name, what = ("large_models", "large zoo models") if args.large else ("user_models", "user model files")
+    write_report(Path(args.out), name, res, markdown(res, what, " --large" if args.large else ""),
+                 lambda path: plot(res, path, what))
     return 0
 
 
