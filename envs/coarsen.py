@@ -147,13 +147,15 @@ class Grouping:
 
 
 # ---------------------------------------------------------------------- entry point
-def tensor_parallel_blocks(graph: OpGraph, group_of: np.ndarray, num_groups: int) -> np.ndarray:
+def tensor_parallel_blocks(graph: OpGraph, group_of: np.ndarray, num_groups: int,
+                           layouts: list[str] | None = None) -> np.ndarray:
     """Per group: whether its operators mix Megatron-LM's layouts (:func:`envs.plan.megatron_layouts`), one
     of them a column or row split, as a group of a transformer layer's attention output, residual, norm
     and MLP input does. No one layout suits all its operators; such a group may be tensor parallel all
     the same, each operator taking Megatron-LM's layout (``PreparedTask.op_layouts``), so its coarse node
-    may take column and row splits."""
-    code = np.fromiter((LAYOUTS.index(x) for x in megatron_layouts(graph)), dtype=np.int64, count=graph.num_nodes)
+    may take column and row splits. ``layouts``: :func:`envs.plan.megatron_layouts` of ``graph``, if known."""
+    layouts = megatron_layouts(graph) if layouts is None else layouts
+    code = np.fromiter((LAYOUTS.index(x) for x in layouts), dtype=np.int64, count=graph.num_nodes)
     tensor = np.zeros(num_groups, dtype=bool)
     tensor[group_of[(code == LAYOUTS.index("col_split")) | (code == LAYOUTS.index("row_split"))]] = True
     lo = np.full(num_groups, len(LAYOUTS))

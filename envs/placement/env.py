@@ -99,7 +99,7 @@ from dataclasses import replace
 import gymnasium as gym
 import numpy as np
 
-from envs.errors import EnvError, PlanError, RlplaceError
+from envs.errors import EnvError, RlplaceError
 from envs.evaluator import CachedSimulation, EvalResult, PlanEvaluator
 from envs.graph import OpGraph
 from envs.placement.observation import (
@@ -577,13 +577,8 @@ class PlacementEnv(gym.Env):
         if base.schedule != "1f1b":
             return ok
         graph = self._p.task.graph
-        for i, v in enumerate(VIRTUAL_STAGE_CHOICES[1:], start=1):
-            try:
-                base.copy(virtual_stages=v)._validate_virtual_stages(graph)
-            except PlanError:
-                continue
-            ok.append(i)
-        return ok
+        return ok + [i for i, v in enumerate(VIRTUAL_STAGE_CHOICES[1:], start=1)
+                     if interleaved_where_valid(base, graph, v).virtual_stages == v]
 
     # ------------------------------------------------------------------ plans and outputs
     def _plan_for(self, assign: np.ndarray, globals_: tuple[int, int, int]) -> Plan:

@@ -353,7 +353,7 @@ def operator_facts(graph: OpGraph, grouping=None) -> dict:
     meg = megatron_layouts(graph)
     n = graph.num_nodes
     if grouping is not None:
-        per_group = tensor_parallel_blocks(graph, grouping.group_of, grouping.num_groups)
+        per_group = tensor_parallel_blocks(graph, grouping.group_of, grouping.num_groups, meg)
         block = per_group[grouping.group_of]
     else:
         per_group = block = np.zeros(n, dtype=bool)
@@ -1398,7 +1398,7 @@ def group_megatron_layouts(prep: PreparedTask) -> list[str]:
     a tensor split, a column split (each of its operators then takes its own: :meth:`PreparedTask.op_layouts`). The
     coarse graph's own layouts would follow its groups' summed capabilities, which pair column and row
     splits differently."""
-    fine = megatron_layouts(prep.task.graph)
+    fine = [LAYOUTS[i] for i in prep.ops["megatron"].tolist()]
     if prep.grouping is None:
         return fine
     majority = group_majority(prep.grouping.group_of, fine, prep.graph.num_nodes)

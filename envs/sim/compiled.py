@@ -406,22 +406,22 @@ class CompiledSimulator:
         """Priority of F / B of each node and microbatch, (n, m) each (the reference's ``prio``: GPipe all
         forwards then all backwards; 1F1B microbatch-major, backward first; interleaved 1F1B by the
         pipeline rank's program order, :meth:`_program_order`). Read-only: cached per schedule."""
-        gpipe, m = pa.schedule == "gpipe", pa.m
-        N = float(self.n + 1)
-        tpos = self.topo_pos.astype(np.float64)
+        gpipe, m, N = pa.schedule == "gpipe", pa.m, float(self.n + 1)
         if pa.vs > 1:
+            tpos = self.topo_pos.astype(np.float64)
             f_order, b_order = self._program_order(pa, stage, p)
             return f_order * N + tpos[:, None], b_order * N + (N - 1 - tpos)[:, None]
         key = (gpipe, m)
         hit = self._prio_cache.get(key)
-        if hit is None:
-            if gpipe:
-                fb, bb, slope = tpos.copy(), m * N + (N - 1 - tpos), N
-            else:
-                fb, bb, slope = N + tpos, N - 1 - tpos, 2 * N
-            ks = np.arange(m, dtype=np.int64) * slope
-            hit = (fb[:, None] + ks[None, :], bb[:, None] + ks[None, :])
-            self._prio_cache[key] = hit
+        if hit is not None:
+            return hit
+        tpos = self.topo_pos.astype(np.float64)
+        if gpipe:
+            fb, bb, slope = tpos.copy(), m * N + (N - 1 - tpos), N
+        else:
+            fb, bb, slope = N + tpos, N - 1 - tpos, 2 * N
+        ks = np.arange(m, dtype=np.int64) * slope
+        hit = self._prio_cache[key] = (fb[:, None] + ks[None, :], bb[:, None] + ks[None, :])
         return hit
 
     def _chunks(self, pa: PlanArrays) -> tuple[np.ndarray, np.ndarray]:
@@ -577,7 +577,7 @@ class CompiledSimulator:
     def _zero3_gathers(self, pa: PlanArrays, pf, pb, extra: _ExtraTasks) -> None:
         """ZeRO-3 weight all-gathers before every forward and backward, prefetched one node ahead
         (the reference's ``_zero3_gathers``, in its task order)."""
-        graph, m, nd = self.graph, pa.m, self.nd
+        graph, m = self.graph, pa.m
         sel = self.has_params & (pa.zero >= 3) & (pa.dp > 1)
         if not sel.any():
             return
@@ -591,9 +591,7 @@ class CompiledSimulator:
             dp = int(pa.dp[v])
             split = (len(g) // dp) if pa.lay[v] in (L_COL, L_ROW) else 1
             t = self.comm.collective("all_gather", dp_groups(g, dp)[0], graph.param_bytes[v] / split)
-            devs = sorted(set(g))
-            host = self.comm.host(tuple(devs), transfer=False)[0]
-            res = [nd + d for d in g] + [2 * nd + d for d in g]
+            devs, host, res = self._group_resources(int(pa.gid[v]))
             nodes = by_group[int(pa.gid[v])]
             i = nodes.index(v)
             name = graph.names[v]
@@ -697,24 +695,21 @@ class CompiledSimulator:
         resources (every member's send port, then every member's receive port: :meth:`_group_resources`)."""
         table = self._comm_res
         if table is None or len(table[0]) != len(self._groups) + 1:
-            nd = self.nd
-            rows = [[nd + d for d in g] + [2 * nd + d for d in g] for g in self._groups]
+            rows = [_ports(g, self.nd) for g in self._groups]
             ptr = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum([len(r) for r in rows], out=ptr[1:])
             table = self._comm_res = (ptr, np.fromiter((x for r in rows for x in r), dtype=np.int64, count=int(ptr[-1])))
         ptr, idx = table
-        lens = ptr[gids + 1] - ptr[gids]
-        starts = np.repeat(ptr[gids] - np.cumsum(lens) + lens, lens)
-        return lens, idx[starts + np.arange(int(lens.sum()), dtype=np.int64)]
+        return np.diff(ptr)[gids], expand_groups(gids, ptr, idx)[1]
 
     def _group_resources(self, gid: int):
         """(sorted devices, host cost of a collective, communication resources) of interned group ``gid``
         (memoised: a gradient bucket or weight gather over the group occupies these)."""
         hit = self._group_res.get(gid)
         if hit is None:
-            g, nd = self._groups[gid], self.nd
+            g = self._groups[gid]
             devs = sorted(set(g))
-            hit = devs, self.comm.host(tuple(devs), transfer=False)[0], [nd + d for d in g] + [2 * nd + d for d in g]
+            hit = devs, self.comm.host(tuple(devs), transfer=False)[0], _ports(g, self.nd)
             self._group_res[gid] = hit
         return hit
 
@@ -900,6 +895,12 @@ def compiled_simulator(graph: OpGraph, topology: Topology) -> CompiledSimulator:
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return sim
+
+
+def _ports(g: tuple[int, ...], nd: int) -> list[int]:
+    """The communication resources a collective over group ``g`` holds: every member's send port, then
+    every member's receive port (resource ``nd + d`` and ``2 nd + d`` of device ``d``)."""
+    return [nd + d for d in g] + [2 * nd + d for d in g]
 
 
 class _TemplateIndex:
