@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     clusters = [c for c in args.clusters.split(";") if c]
     try:  # bad input: one line, before any work
+        if args.large and args.models:
+            raise ValueError("--large places LARGE_MODELS; it does not take --models")
         if args.large:
             stems, skipped = list(LARGE_MODELS), {}
         else:

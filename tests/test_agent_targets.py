@@ -111,7 +111,8 @@ def test_search_seeds_bad_arguments_exit_2_before_any_work(tmp_path, capsys):
 def test_user_model_benchmark_bad_input_is_one_line_and_exit_2_before_any_work(tmp_path, capsys):
     from experiments.bench_user_models import main
 
-    for argv in (["--models", "no-such-model"], ["--clusters", "no-such-preset"], ["--policy", str(tmp_path / "x.zip")]):
+    for argv in (["--models", "no-such-model"], ["--clusters", "no-such-preset"], ["--policy", str(tmp_path / "x.zip")],
+                 ["--large", "--models", "mixer"], ["--large", "--clusters", "no-such-preset"]):
         assert main(argv + ["--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ")
